@@ -1,0 +1,1 @@
+"""Model building blocks that call into `kernels` (Triton on CUDA, PyTorch references on CPU)."""

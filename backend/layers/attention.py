@@ -1,0 +1,32 @@
+"""Paged attention over the KV cache: store this step's K/V, then decode and prefill parts separately."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.forward_context import get_forward_context
+from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        ctx = get_forward_context()
+        store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        d = ctx.num_decode_seqs
+        if d:
+            dec = ctx.decode
+            paged_decode_attention(q[:d], self.k_cache, self.v_cache, dec.block_tables, dec.seq_lens, self.scale, out=out[:d])
+        pre = ctx.prefill
+        if pre is not None:
+            paged_prefill_attention(q[d:], self.k_cache, self.v_cache, pre.cu_seqlens_q, pre.seq_lens, pre.block_tables,
+                                    pre.max_seqlen_q, self.scale, out=out[d:])
+        return out

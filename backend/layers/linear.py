@@ -1,0 +1,47 @@
+"""A linear layer whose output may be several merged projections (q|k|v, gate|up), with batched LoRA.
+
+LoRA pools (`lora_a`, `lora_b`) are allocated and attached by the adapter registry; the per-step
+grouping of tokens by adapter comes from the forward context.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.forward_context import get_forward_context
+from kernels import lora_expand, lora_shrink
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.slice_offsets = [0]
+        for s in self.output_sizes:
+            self.slice_offsets.append(self.slice_offsets[-1] + s)
+        out = self.slice_offsets[-1]
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
+        self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
+
+    def load_slice(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        lo, hi = self.slice_offsets[index], self.slice_offsets[index + 1]
+        if weight.shape != (hi - lo, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match expected {(hi - lo, self.in_features)}")
+        self.weight.data[lo:hi].copy_(weight)
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            self.bias.data[lo:hi].copy_(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_a is not None:
+            meta = get_forward_context().lora
+            if meta is not None and meta.token_indices.numel() > 0:
+                buf = lora_shrink(x, self.lora_a, meta)
+                lora_expand(buf, self.lora_b, self.slice_offsets, meta, y)
+        return y

@@ -1,0 +1,1 @@
+"""Model families, written against backend.layers; one file per family."""

@@ -1,0 +1,50 @@
+"""What the engine hands back each step, its counters, and the error type for bad requests."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given; `field` names what the client must fix."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    cumulative_logprob: float
+    error: str | None = None  # set with finish_reason "error"
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    num_preemptions: int = 0
+    resident_adapters: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0

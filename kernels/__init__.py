@@ -1,0 +1,27 @@
+"""OpenAI Triton kernels for loom's hot paths, each beside a plain-PyTorch reference of the same signature.
+
+`kernels.dispatch` is the one place that decides which implementation runs: the Triton kernel for CUDA
+tensors, the reference otherwise (or the Triton kernel under TRITON_INTERPRET=1 when forced for tests).
+"""
+
+from kernels.dispatch import (
+    fused_add_rms_norm,
+    lora_expand,
+    lora_shrink,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rotary_embedding,
+    silu_and_mul,
+    store_kv,
+)
+
+__all__ = [
+    "store_kv",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "lora_shrink",
+    "lora_expand",
+]
