@@ -3,4 +3,7 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run under the interpreter on CPU; it must be set before any @triton.jit is decorated.
+# The engine still runs the PyTorch references on CPU unless LOOM_FORCE_TRITON=1.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 import backend  # noqa: E402,F401  (sets MKL tuning before torch is imported)

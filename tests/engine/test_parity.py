@@ -67,6 +67,14 @@ def test_preemption_under_tiny_kv_budget(family):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_triton_kernel_path_parity(tmp_path, monkeypatch):
+    """The same greedy tokens with every kernel switched to its Triton version (interpreted on CPU)."""
+    model, path = make_hf_model("llama", tmp_path)
+    monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
+    llm = LLM(path, block_size=16, max_num_batched_tokens=20, kv_cache_memory_bytes=1 << 20)
+    _check(llm, model, random_prompts([3, 21, 35], 320, seed=11), 6)
+
+
 def test_default_model_matches_transformers(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,37 @@
+"""silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:], computed in float32."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, I, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    a = tl.load(x_ptr + t * stride_xt + cols, mask=mask).to(tl.float32)
+    b = tl.load(x_ptr + t * stride_xt + I + cols, mask=mask).to(tl.float32)
+    y = a * tl.sigmoid(a) * b
+    tl.store(out_ptr + t * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x):
+    T, two_i = x.shape
+    inter = two_i // 2
+    assert x.stride(-1) == 1
+    out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+def silu_and_mul_ref(x):
+    inter = x.shape[-1] // 2
+    if x.dtype == torch.float32:
+        return F.silu(x[:, :inter]) * x[:, inter:]
+    return (F.silu(x[:, :inter].float()) * x[:, inter:].float()).to(x.dtype)

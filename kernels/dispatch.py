@@ -1,0 +1,55 @@
+"""The one place that picks an implementation: Triton for CUDA tensors, or everywhere when
+LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); the reference otherwise."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
+from kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    # env read per call (a dict lookup) so tests may flip it after import
+    return t.is_cuda or os.environ.get("LOOM_FORCE_TRITON") == "1"
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    return (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+    fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
+                            out=None):
+    fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
+    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps)
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache):
+    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+
+
+def lora_shrink(x, lora_a, meta, out=None):
+    return (lora_shrink_triton if use_triton(x) else lora_shrink_ref)(x, lora_a, meta, out=out)
+
+
+def lora_expand(buf, lora_b, slice_offsets, meta, y):
+    return (lora_expand_triton if use_triton(y) else lora_expand_ref)(buf, lora_b, slice_offsets, meta, y)

@@ -1,0 +1,54 @@
+"""Scatter this step's K/V into the paged cache: k_cache[slot // bs, slot % bs] = k[t] (slot -1 = skip)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,  # shared by k_cache and v_cache (same shape, both contiguous in D)
+    block_size,
+    KVH: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding / tokens whose KV must not be written
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < KVH) & (d < D)
+    dst = blk * stride_cb + off * stride_co + h * stride_ch + d
+    kk = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    vv = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
+    T, KVH, D = k.shape
+    if T == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.stride() == v_cache.stride()
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1],
+        KVH=KVH, D=D, H_PAD=triton.next_power_of_2(KVH), D_PAD=triton.next_power_of_2(D),
+    )
+
+
+def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    KVH, D = k_cache.shape[2], k_cache.shape[3]
+    # view as [num_slots, KVH, D]; index_copy_ writes through the view into the cache
+    k_cache.view(-1, KVH, D).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, KVH, D).index_copy_(0, slots, v[keep].to(v_cache.dtype))

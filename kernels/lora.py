@@ -1,0 +1,203 @@
+"""Multi-LoRA shrink/expand (Punica / S-LoRA style) over tokens gathered per adapter by index.
+
+Group g owns tokens token_indices[seg_starts[g]:seg_starts[g+1]] and rank rows
+[row_start[g], row_start[g] + ranks[g]) of every pool. The grid covers (group, token tile, ...);
+programs past their group's tokens or rank exit at once, and the expand's reduction loop stops at the
+group's own rank, so no compute is spent on padding to the largest rank. Tokens without an adapter
+are in no group and cost nothing. All output slices (q/k/v or gate/up) are done in one launch.
+
+shrink: buf[s, i, r] = x[token_indices[i]] . lora_a[s, row_start[g] + r]          (r < ranks[g])
+expand: y[token_indices[i], off_s:off_{s+1}] += scalings[g] * buf[s, i, :rank] @ lora_b[rows, off_s:off_{s+1}]
+buf is float32 (it is tiny, and keeps the rank-space product exact across the two launches).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, buf_ptr, tok_ptr, seg_ptr, row_ptr, rank_ptr,
+    stride_xt, stride_as, stride_ar, stride_bs, stride_bt,
+    K, k_per_split,
+    R_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    g = tl.program_id(0)
+    mt = tl.program_id(1)
+    pid2 = tl.program_id(2)  # (slice, rank tile, k split) flattened
+    ks = pid2 % SPLIT_K
+    rt = (pid2 // SPLIT_K) % R_TILES
+    sl = pid2 // (SPLIT_K * R_TILES)
+    seg0 = tl.load(seg_ptr + g)
+    n_tok = tl.load(seg_ptr + g + 1) - seg0
+    rank = tl.load(rank_ptr + g)
+    if (mt * BLOCK_M >= n_tok) | (rt * BLOCK_R >= rank):
+        return
+    row0 = tl.load(row_ptr + g)
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    imask = i < n_tok
+    tok = tl.load(tok_ptr + seg0 + i, mask=imask, other=0).to(tl.int64)
+    r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rank
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + sl.to(tl.int64) * stride_as + (row0 + r).to(tl.int64)[None, :] * stride_ar
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    k_lo = ks * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kmask = (k0 + kk) < k_hi
+        xt = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + kk)[None, :], mask=imask[:, None] & kmask[None, :],
+                     other=0.0)
+        at = tl.load(a_rows + (k0 + kk)[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)  # [BK, BR]
+        acc += tl.dot(xt, at.to(xt.dtype), input_precision=DOT_PREC)
+    dst = buf_ptr + sl.to(tl.int64) * stride_bs + (seg0 + i).to(tl.int64)[:, None] * stride_bt + r[None, :]
+    omask = imask[:, None] & rmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(dst, acc, mask=omask)
+    else:
+        tl.atomic_add(dst, acc, mask=omask)
+
+
+@triton.jit
+def _expand_kernel(
+    buf_ptr, b_ptr, y_ptr, tok_ptr, seg_ptr, row_ptr, rank_ptr, scal_ptr,
+    stride_bs, stride_bt, stride_br, stride_yt,
+    OFF0, OFF1, OFF2, OFF3, OFF4,  # slice column offsets (up to 4 slices), scalars: no H2D copy per call
+    N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    g = tl.program_id(0)
+    mt = tl.program_id(1)
+    pid2 = tl.program_id(2)  # (slice, column tile)
+    nt = pid2 % N_TILES
+    sl = pid2 // N_TILES
+    seg0 = tl.load(seg_ptr + g)
+    n_tok = tl.load(seg_ptr + g + 1) - seg0
+    if mt * BLOCK_M >= n_tok:
+        return
+    c0 = tl.where(sl == 0, OFF0, tl.where(sl == 1, OFF1, tl.where(sl == 2, OFF2, OFF3)))
+    c1 = tl.where(sl == 0, OFF1, tl.where(sl == 1, OFF2, tl.where(sl == 2, OFF3, OFF4)))
+    if c0 + nt * BLOCK_N >= c1:  # this slice is narrower than the widest one
+        return
+    rank = tl.load(rank_ptr + g)
+    row0 = tl.load(row_ptr + g)
+    scaling = tl.load(scal_ptr + g)
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    imask = i < n_tok
+    tok = tl.load(tok_ptr + seg0 + i, mask=imask, other=0).to(tl.int64)
+    cols = c0 + nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < c1
+    rr = tl.arange(0, BLOCK_R)
+    b_dtype = b_ptr.dtype.element_ty
+    buf_rows = buf_ptr + sl.to(tl.int64) * stride_bs + (seg0 + i).to(tl.int64)[:, None] * stride_bt
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # stops at this adapter's own rank
+        rmask = (r0 + rr) < rank
+        bt = tl.load(buf_rows + (r0 + rr)[None, :], mask=imask[:, None] & rmask[None, :], other=0.0)
+        wt = tl.load(b_ptr + (row0 + r0 + rr).to(tl.int64)[:, None] * stride_br + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.dot(bt.to(b_dtype), wt, input_precision=DOT_PREC)
+    yp = y_ptr + tok[:, None] * stride_yt + cols[None, :]
+    ymask = imask[:, None] & cmask[None, :]
+    y = tl.load(yp, mask=ymask, other=0.0).to(tl.float32)
+    tl.store(yp, (y + scaling * acc).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def lora_shrink_triton(x, lora_a, meta, out=None, split_k=None):
+    """out (optional) [S, T_lora, max_rank] float32; only r < rank of each token's group is written."""
+    S, _, K = lora_a.shape
+    T_lora = meta.token_indices.shape[0]
+    if out is None:
+        out = torch.zeros((S, T_lora, meta.max_rank), dtype=torch.float32, device=x.device)
+    G = meta.num_groups
+    if T_lora == 0 or G == 0:
+        return out
+    assert x.stride(-1) == 1 and lora_a.stride(-1) == 1 and out.stride(-1) == 1
+    block_m = 16 if meta.max_seg_len <= 16 else (32 if meta.max_seg_len <= 32 else 64)
+    block_r = min(64, max(16, triton.next_power_of_2(meta.max_rank)))
+    block_k = 64 if block_m * block_r <= 32 * 32 else 32
+    r_tiles = triton.cdiv(meta.max_rank, block_r)
+    m_tiles = triton.cdiv(meta.max_seg_len, block_m)
+    if split_k is None:
+        # few tokens and a long input dim: split K so the grid fills the GPU (atomics into float32)
+        programs = G * m_tiles * S * r_tiles
+        split_k = max(1, min(16, 256 // max(programs, 1), K // 512))
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    if split_k > 1:
+        out.zero_()
+    _shrink_kernel[(G, m_tiles, S * r_tiles * split_k)](
+        x, lora_a, out, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
+        K, k_per_split,
+        R_TILES=r_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        DOT_PREC=_dot_precision(x.dtype),
+    )
+    return out
+
+
+def lora_expand_triton(buf, lora_b, slice_offsets, meta, y):
+    S = len(slice_offsets) - 1
+    assert 1 <= S <= 4, "up to 4 output slices per launch"
+    G = meta.num_groups
+    T_lora = meta.token_indices.shape[0]
+    if T_lora == 0 or G == 0:
+        return y
+    assert lora_b.stride(-1) == 1 and y.stride(-1) == 1 and buf.stride(-1) == 1
+    offs = [int(o) for o in slice_offsets] + [int(slice_offsets[-1])] * (5 - len(slice_offsets))
+    widest = max(offs[s + 1] - offs[s] for s in range(S))
+    block_m = 16 if meta.max_seg_len <= 16 else (32 if meta.max_seg_len <= 32 else 64)
+    block_r = min(64, max(16, triton.next_power_of_2(meta.max_rank)))
+    block_n = 64 if widest >= 64 else max(16, triton.next_power_of_2(widest))
+    n_tiles = triton.cdiv(widest, block_n)
+    _expand_kernel[(G, triton.cdiv(meta.max_seg_len, block_m), S * n_tiles)](
+        buf, lora_b, y, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings,
+        buf.stride(0), buf.stride(1), lora_b.stride(0), y.stride(0), *offs,
+        N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+        DOT_PREC=_dot_precision(lora_b.dtype),
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference (a loop over adapter groups; every group is one batched matmul)
+
+
+def _groups(meta):
+    seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()
+    rows = meta.row_start_cpu if meta.row_start_cpu is not None else meta.row_start.tolist()
+    ranks = meta.ranks_cpu if meta.ranks_cpu is not None else meta.ranks.tolist()
+    scal = meta.scalings_cpu if meta.scalings_cpu is not None else meta.scalings.tolist()
+    for g in range(len(rows)):
+        if seg[g + 1] > seg[g] and ranks[g] > 0:
+            yield seg[g], seg[g + 1], rows[g], ranks[g], scal[g]
+
+
+def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
+    S = lora_a.shape[0]
+    T_lora = meta.token_indices.shape[0]
+    if out is None:
+        out = torch.zeros((S, T_lora, meta.max_rank), dtype=torch.float32, device=x.device)
+    for a, b, row, rank, _ in _groups(meta):
+        xs = x[meta.token_indices[a:b]]  # [n, in]
+        out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].transpose(1, 2)).float()  # [S, n, r]
+    return out
+
+
+def lora_expand_ref(buf, lora_b, slice_offsets, meta, y):
+    offs = [int(o) for o in slice_offsets]
+    for a, b, row, rank, scaling in _groups(meta):
+        idx = meta.token_indices[a:b]
+        w = lora_b[row:row + rank]  # [r, sum_out]
+        for s in range(len(offs) - 1):
+            c0, c1 = offs[s], offs[s + 1]
+            delta = buf[s, a:b, :rank].to(w.dtype) @ w[:, c0:c1]
+            y[idx, c0:c1] = (y[idx, c0:c1].float() + scaling * delta.float()).to(y.dtype)
+    return y

@@ -1,0 +1,224 @@
+"""Paged decode attention: one query token per sequence over its block table (GQA, any group size).
+
+Two Triton paths:
+- one program per (sequence, kv head) that walks the whole context, holding all q heads of the kv
+  group as the rows of one tile (K/V are read once per group);
+- flash-decoding for long contexts with few sequences: the context is split into partitions, each
+  program writes its partition's (max, sum, normalised out), and a reduction kernel merges them.
+The reference gathers K/V through the block table and runs SDPA with a length mask.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, m_ptr, l_ptr,
+    stride_qb, stride_qh,
+    stride_cb, stride_co, stride_ch,
+    stride_btb,
+    stride_ob, stride_oh, stride_os,  # out [B,H,D] (stride_os unused) or partial out [B,H,NS,D]
+    stride_mb, stride_mh,  # partial max / sum [B,H,NS]
+    scale_log2e, part_size,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(sl_ptr + b)
+    if SPLIT:
+        start = split * part_size
+        if start >= seq_len:  # empty partition: the reduction ignores it (it masks by seq_len)
+            return
+        end = tl.minimum(seq_len, start + part_size)
+    else:
+        start = 0
+        end = seq_len
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + g
+    gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask, other=0.0)
+
+    m_i = tl.full([G_PAD], _NEG, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for s in range(start, end, BLOCK_N):
+        pos = s + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        # per-token physical block: works for any block size vs tile size
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+        off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
+        kv_mask = pmask[:, None] & (d < D)[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        qk = tl.where(pmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 -> zeros
+    o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if SPLIT:
+        tl.store(o_ptr + o_off + split * stride_os, out, mask=gd_mask)
+        ml_off = b * stride_mb + heads * stride_mh + split
+        tl.store(m_ptr + ml_off, m_i, mask=g < GROUP)
+        tl.store(l_ptr + ml_off, l_i, mask=g < GROUP)
+    else:
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    po_ptr, m_ptr, l_ptr, sl_ptr, o_ptr,
+    stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
+    part_size, D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(sl_ptr + b)
+    n_valid = tl.cdiv(seq_len, part_size)  # partitions that were written
+    s = tl.arange(0, NS_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < n_valid
+    m = tl.load(m_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=_NEG)
+    l = tl.load(l_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=0.0)
+    w = l * tl.exp2(m - tl.max(m, 0))
+    wsum = tl.sum(w, 0)
+    po = tl.load(po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                 mask=smask[:, None] & (d < D)[None, :], other=0.0)
+    out = tl.sum(po * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise run as tf32 on GPU; half types ignore this setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _auto_num_splits(q, B, KVH, max_ctx):
+    if max_ctx < 1024:
+        return 1
+    n_sm = _num_sms(q.device.index or 0) if q.is_cuda else 132
+    programs = B * KVH
+    if programs >= n_sm:
+        return 1
+    # enough programs to fill the chip twice, partitions of at least 256 tokens
+    return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // 256, 128))
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
+                                  num_splits=None, block_n=None):
+    """num_splits: None = automatic, 1 = single pass, >1 = flash-decoding with that many partitions."""
+    B, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    group = H // KVH
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    d_pad = triton.next_power_of_2(D)
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
+    if num_splits is None:
+        num_splits = _auto_num_splits(q, B, KVH, max_ctx)
+    part_size = triton.cdiv(triton.cdiv(max_ctx, max(num_splits, 1)), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_ctx, part_size))
+    common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
+                  BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype), num_warps=4)
+    scale_log2e = scale * _LOG2E
+    if num_splits == 1:
+        _decode_kernel[(B, KVH, 1)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, out,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
+            scale_log2e, max_ctx, SPLIT=False, **common)
+        return out
+    po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+    m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    _decode_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, po, m, l,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
+        scale_log2e, part_size, SPLIT=True, **common)
+    _decode_reduce_kernel[(B, H)](
+        po, m, l, seq_lens, out,
+        po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
+        part_size, D=D, D_PAD=d_pad, NS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+
+
+def gather_kv(k_cache, v_cache, block_tables, seq_lens, max_len=None):
+    """K/V of each sequence, gathered through its block table: ([N, L, KVH, D] x2, valid [N, L]).
+
+    Slots past a sequence's length are zeroed: unused cache slots may hold anything (even NaN),
+    and a masked score times a NaN value would still poison SDPA's output.
+    """
+    block_size = k_cache.shape[1]
+    if max_len is None:
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    nb = max(1, triton.cdiv(max_len, block_size))
+    bt = block_tables[:, :nb].long()
+    N = bt.shape[0]
+    k = k_cache[bt].flatten(1, 2)  # [N, nb*bs, KVH, D]
+    v = v_cache[bt].flatten(1, 2)
+    valid = torch.arange(k.shape[1], device=k.device)[None, :] < seq_lens[:, None].long()
+    tail = (~valid).flatten().nonzero().squeeze(1)  # zero only the (few) slots past each length
+    k.view(-1, *k.shape[2:]).index_fill_(0, tail, 0)
+    v.view(-1, *v.shape[2:]).index_fill_(0, tail, 0)
+    return k, v, valid
+
+
+def sdpa_gqa(q, k, v, mask, scale):
+    """q [N,H,Lq,D], k/v [N,KVH,L,D], bool mask broadcastable to [N,1,Lq,L]."""
+    H, KVH = q.shape[1], k.shape[1]
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != KVH)
+    except TypeError:  # torch < 2.5: no enable_gqa
+        rep = H // KVH
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              attn_mask=mask, scale=scale)
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
+                               num_splits=None, block_n=None):
+    B, H, D = q.shape
+    res = torch.zeros((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
+    if B == 0:
+        return res
+    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens)
+    empty = seq_lens == 0
+    valid[:, 0] |= empty  # a fully masked row would be NaN; such rows are zeroed below
+    o = sdpa_gqa(q[:, :, None, :], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                 valid[:, None, None, :], scale)[:, :, 0]
+    res.copy_(o.masked_fill(empty[:, None, None], 0))
+    return res

@@ -1,0 +1,140 @@
+"""Paged prefill attention over a varlen batch (chunked prefill, prefix-cache hits, mixed decode).
+
+Query i of sequence s sits at absolute position seq_lens[s] - q_len_s + i and attends to every cached
+key at a position <= its own; the new tokens' K/V are already in the cache. One program per
+(query tile, sequence, q head); it walks the block table up to the tile's last query position.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_decode_attention import _LOG2E, _NEG, _dot_precision, gather_kv, sdpa_gqa, paged_decode_attention_ref
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, cu_ptr, sl_ptr, bt_ptr, o_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch, stride_btb,
+    scale_log2e,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_ptr + s)
+    q_len = tl.load(cu_ptr + s + 1) - q_start
+    if mb * BLOCK_M >= q_len:  # grid is sized by the longest query of the batch
+        return
+    seq_len = tl.load(sl_ptr + s)
+    ctx0 = seq_len - q_len  # absolute position of this sequence's first query
+    kvh = h // GROUP
+
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    imask = i < q_len
+    qpos = ctx0 + i
+    tok = (q_start + i).to(tl.int64)
+    qd_mask = imask[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], _NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    end = tl.minimum(seq_len, ctx0 + (mb + 1) * BLOCK_M)  # keys past the tile's last query are unused
+    bt_row = bt_ptr + s.to(tl.int64) * stride_btb
+    for start in range(0, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pmask = pos < end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+        off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
+        kv_mask = pmask[:, None] & (d < D)[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        qk = tl.where(pmask[None, :] & (pos[None, :] <= qpos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=qd_mask)
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
+                                   scale, out=None, block_m=None, block_n=None):
+    T, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    S = seq_lens.shape[0]
+    if T == 0 or S == 0:
+        return out
+    d_pad = triton.next_power_of_2(D)
+    if block_m is None:
+        # short queries (decode-like batches) waste less of a small tile
+        block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or d_pad > 128 else 64)
+    if block_n is None:
+        block_n = 64 if d_pad <= 128 else 32
+    grid = (triton.cdiv(max_seqlen_q, block_m), S, H)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * _LOG2E,
+        GROUP=H // KVH, D=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
+    )
+    return out
+
+
+def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables, scale, out):
+    """One SDPA call over sequences padded to their longest query, with a causal-by-position mask."""
+    n = q_lens.shape[0]
+    dev = q.device
+    total = int(q_lens.sum())
+    max_q = int(q_lens.max())
+    seq_of = torch.repeat_interleave(torch.arange(n, device=dev), q_lens, output_size=total)
+    offs = torch.arange(total, device=dev) - torch.repeat_interleave(torch.cumsum(q_lens, 0) - q_lens, q_lens,
+                                                                     output_size=total)
+    tok = starts[seq_of] + offs
+    H, D = q.shape[1], q.shape[2]
+    qp = q.new_zeros((n, max_q, H, D))
+    qp[seq_of, offs] = q[tok]
+    k, v, _ = gather_kv(k_cache, v_cache, block_tables, seq_lens)
+    qpos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [n, max_q]
+    # keys past seq_len are excluded for real rows since qpos <= seq_len - 1; padded rows keep key 0
+    mask = torch.arange(k.shape[1], device=dev)[None, None, :] <= qpos[:, :, None]
+    o = sdpa_gqa(qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                 mask[:, None], scale)  # [n, H, max_q, D]
+    out[tok] = o.transpose(1, 2)[seq_of, offs]
+
+
+def paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
+                                scale, out=None, block_m=None, block_n=None):
+    T, H, D = q.shape
+    if out is None:
+        out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    cu = cu_seqlens_q.long()
+    starts, q_lens = cu[:-1], cu[1:] - cu[:-1]
+    seq_lens = seq_lens.long()
+    # single-token sequences take the decode path so they are not padded to the longest prefill
+    dec = q_lens == 1
+    if bool(dec.any()):
+        idx = dec.nonzero().squeeze(1)
+        out[starts[idx]] = paged_decode_attention_ref(q[starts[idx]], k_cache, v_cache, block_tables[idx],
+                                                      seq_lens[idx], scale)
+    pre = (q_lens > 1).nonzero().squeeze(1)
+    if pre.numel():
+        _padded_prefill(q, k_cache, v_cache, starts[pre], q_lens[pre], seq_lens[pre], block_tables[pre], scale, out)
+    return out
