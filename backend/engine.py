@@ -59,6 +59,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self._finished_outputs: list[StepOutput] = []  # aborts and refusals reported at the next step
+        self._lora_failed: list[Sequence] = []
         self._rng = random.Random(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -72,7 +73,12 @@ class LLMEngine:
         return AdapterRegistry(self.config, self.runner.model, self.runner.device, self.runner.dtype)
 
     def _can_run(self, seq: Sequence) -> bool:
-        return seq.lora is None or self.adapters.activate(seq.lora)
+        if seq.lora is None:
+            return True
+        if seq.lora.error is not None:  # its adapter failed to load: fail it after scheduling
+            self._lora_failed.append(seq)
+            return False
+        return self.adapters.activate(seq.lora)
 
     def _on_preempt(self, seq: Sequence) -> None:
         if seq.lora is not None:
@@ -136,7 +142,13 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._finished_outputs = self._finished_outputs, []
         batch = self.scheduler.schedule()
+        failed, self._lora_failed = self._lora_failed, []
+        for seq in failed:
+            self.abort_request(seq.request_id, reason="error", error=f"lora_name: {seq.lora.error}")
+        outputs, self._finished_outputs = outputs + self._finished_outputs, []
         if not batch.seqs:
+            if self.adapters is not None and self.adapters.has_pending_loads():
+                self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
             return outputs
         try:
             outputs += self._run(batch)

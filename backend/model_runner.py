@@ -78,7 +78,8 @@ class ModelRunner:
         del ids, pos
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        free = int(total * self.config.gpu_memory_utilization) - peak - (256 << 20)
+        # the adapter registry allocates its LoRA pools after the cache: keep room for them
+        free = int(total * self.config.gpu_memory_utilization) - peak - (256 << 20) - self.config.lora_memory_bytes
         if free <= 0:
             raise ValueError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
         return free

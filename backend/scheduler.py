@@ -86,6 +86,7 @@ class Scheduler:
             if not self.bm.allocate(seq, n):
                 # Retried next step; the engine refuses up front any request that cannot fit alone.
                 self.bm.free_sequence(seq)
+                self.on_preempt(seq)  # don't keep its adapter pinned while it waits
                 break
             self.waiting.popleft()
             self.bm.query_tokens += seq.num_tokens

@@ -1,0 +1,142 @@
+"""Device pools of LoRA rank rows and their row allocator.
+
+One pool pair per module group, stacked over layers:
+  a[group]: [num_layers, num_slices, capacity, in_features]
+  b[group]: [num_layers, capacity, sum(output_sizes)]
+Module `layers.{i}.<group>` gets the views a[group][i] ([S, R, in]) and b[group][i] ([R, sum_out]) as its
+`lora_a` / `lora_b`. An adapter version owns the same contiguous rows [row_start, row_start + rank) in every
+pool (all groups, all layers); groups or slices it does not target are written as zeros, so rows need no
+clearing when freed.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .peft_loader import AdapterWeights, LoraModelSpec
+
+
+class RowAllocator:
+    """Contiguous row ranges, first fit, free ranges kept sorted and coalesced."""
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self._starts: list[int] = [0] if capacity > 0 else []
+        self._lens: list[int] = [capacity] if capacity > 0 else []
+        self.num_free = self.capacity
+
+    def alloc(self, n: int) -> int | None:
+        if n <= 0:
+            raise ValueError(f"cannot allocate {n} rows")
+        for i, ln in enumerate(self._lens):
+            if ln >= n:
+                start = self._starts[i]
+                if ln == n:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i] += n
+                    self._lens[i] -= n
+                self.num_free -= n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        if n <= 0 or start < 0 or start + n > self.capacity:
+            raise ValueError(f"bad free of rows [{start}, {start + n})")
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._starts[i - 1] + self._lens[i - 1] > start:
+            raise ValueError(f"double free of rows [{start}, {start + n})")
+        if i < len(self._starts) and start + n > self._starts[i]:
+            raise ValueError(f"double free of rows [{start}, {start + n})")
+        merge_prev = i > 0 and self._starts[i - 1] + self._lens[i - 1] == start
+        merge_next = i < len(self._starts) and start + n == self._starts[i]
+        if merge_prev and merge_next:
+            self._lens[i - 1] += n + self._lens[i]
+            del self._starts[i], self._lens[i]
+        elif merge_prev:
+            self._lens[i - 1] += n
+        elif merge_next:
+            self._starts[i] = start
+            self._lens[i] += n
+        else:
+            self._starts.insert(i, start)
+            self._lens.insert(i, n)
+        self.num_free += n
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._lens, default=0)
+
+    def free_ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._lens))
+
+    def reset(self, used_prefix: int) -> None:
+        """After compaction: rows [0, used_prefix) are used, the rest is one free range."""
+        self._starts = [used_prefix] if used_prefix < self.capacity else []
+        self._lens = [self.capacity - used_prefix] if used_prefix < self.capacity else []
+        self.num_free = self.capacity - used_prefix
+
+
+class LoraPool:
+    def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype):
+        self.spec = spec
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.allocator = RowAllocator(self.capacity)
+        L = spec.num_layers
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        if self.capacity > 0:
+            for g in spec.groups:
+                self.a[g.name] = torch.zeros(L, g.num_slices, self.capacity, g.in_features, device=self.device, dtype=dtype)
+                self.b[g.name] = torch.zeros(L, self.capacity, g.out_features, device=self.device, dtype=dtype)
+
+    @staticmethod
+    def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype) -> int:
+        return int(memory_bytes) // spec.bytes_per_row(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.spec.bytes_per_row(self.dtype)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Point every LoRA-capable module's lora_a / lora_b at its layer's view of the pools."""
+        if self.capacity == 0:
+            return
+        for (layer, group), mod in LoraModelSpec.find_modules(model).items():
+            mod.lora_a = self.a[group][layer]
+            mod.lora_b = self.b[group][layer]
+
+    def write(self, row_start: int, w: AdapterWeights) -> None:
+        """Copy an adapter's host weights into rows [row_start, row_start + w.rank) of every pool."""
+        r = w.rank
+        if row_start < 0 or row_start + r > self.capacity:
+            raise ValueError(f"rows [{row_start}, {row_start + r}) outside the pool of {self.capacity}")
+        nb = self.device.type == "cuda"
+        for g in self.spec.groups:
+            dst_a = self.a[g.name][:, :, row_start:row_start + r]
+            dst_b = self.b[g.name][:, row_start:row_start + r]
+            src_a = w.a.get(g.name)
+            if src_a is None:
+                dst_a.zero_()
+                dst_b.zero_()
+            else:
+                dst_a.copy_(src_a, non_blocking=nb)
+                dst_b.copy_(w.b[g.name], non_blocking=nb)
+
+    def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Host copies of rows (tests / debugging)."""
+        a = {k: v[:, :, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.a.items()}
+        b = {k: v[:, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.b.items()}
+        return a, b
+
+    def move(self, src: int, dst: int, n: int) -> None:
+        """Move rows [src, src+n) to [dst, dst+n) (ranges may overlap)."""
+        if src == dst or n == 0:
+            return
+        for g in self.spec.groups:
+            a, b = self.a[g.name], self.b[g.name]
+            a[:, :, dst:dst + n] = a[:, :, src:src + n].clone()
+            b[:, dst:dst + n] = b[:, src:src + n].clone()

@@ -1,0 +1,463 @@
+"""Load a HF PEFT LoRA adapter directory (`save_pretrained` output) as is, into host tensors laid out for the pools.
+
+Accepted: `adapter_config.json` + `adapter_model.safetensors` with LoRA A/B weights for any subset of
+q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (target_modules given as a list, "all-linear"
+or a regex string), ranks 1..max_lora_rank, `lora_alpha / r` scaling or rsLoRA (`lora_alpha / sqrt(r)`),
+`rank_pattern` / `alpha_pattern` (per-module rank and alpha, matched like PEFT does), `layers_to_transform`,
+`exclude_modules`. Weights are converted to the base model's dtype.
+
+Refused with an `AdapterLoadError` that names the adapter and the problem: anything that would change
+the math beyond plain LoRA on those seven projections (DoRA, biases, modules_to_save, embedding/lm_head
+LoRA, fan_in_fan_out, ...), shape mismatches with the base model, missing files, pickle-only
+`adapter_model.bin` (never unpickled), rank > max_lora_rank, non-finite weights.
+
+The result (`AdapterWeights`) holds, per module group (qkv_proj, o_proj, gate_up_proj, down_proj), A as
+[num_layers, num_slices, rank, in] and B^T as [num_layers, rank, sum(output_sizes)] (zeros for untargeted
+slices/layers); groups the adapter does not touch at all are absent (the pool writes zeros there).
+If modules of one adapter have different ranks (rank_pattern) they are zero-padded to the adapter's
+largest rank; if they have different scalings, the ratio to the adapter's scaling is folded into B.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class AdapterLoadError(ValueError):
+    """An adapter directory cannot be served; the message names the adapter and what is wrong."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The base model's LoRA-capable linear layers
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraGroupSpec:
+    """One fused linear per decoder layer (e.g. qkv_proj with slices q, k, v)."""
+
+    name: str  # "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj"
+    path: str  # module path inside a decoder layer, e.g. "self_attn.qkv_proj"
+    projs: tuple[str, ...]  # HF/PEFT projection names of the slices, in slice order
+    in_features: int
+    output_sizes: tuple[int, ...]
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.projs)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.output_sizes)
+
+    @property
+    def slice_offsets(self) -> list[int]:
+        offs = [0]
+        for s in self.output_sizes:
+            offs.append(offs[-1] + s)
+        return offs
+
+    @property
+    def elems_per_row(self) -> int:
+        """Pool elements one rank row takes in one layer: A for each slice plus the B row."""
+        return self.num_slices * self.in_features + self.out_features
+
+
+GROUP_LAYOUT = (
+    # name, path in the decoder layer, block in HF naming, projection names of the slices
+    ("qkv_proj", "self_attn.qkv_proj", "self_attn", ("q_proj", "k_proj", "v_proj")),
+    ("o_proj", "self_attn.o_proj", "self_attn", ("o_proj",)),
+    ("gate_up_proj", "mlp.gate_up_proj", "mlp", ("gate_proj", "up_proj")),
+    ("down_proj", "mlp.down_proj", "mlp", ("down_proj",)),
+)
+# projection name -> (group index, slice index, HF block)
+PROJ_TO_GROUP = {p: (gi, si, blk) for gi, (_, _, blk, projs) in enumerate(GROUP_LAYOUT) for si, p in enumerate(projs)}
+
+_MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.qkv_proj|self_attn\.o_proj|mlp\.gate_up_proj|mlp\.down_proj)$")
+
+
+@dataclass(frozen=True)
+class LoraModelSpec:
+    num_layers: int
+    groups: tuple[LoraGroupSpec, ...]
+
+    @property
+    def elems_per_row(self) -> int:
+        return self.num_layers * sum(g.elems_per_row for g in self.groups)
+
+    def bytes_per_row(self, dtype: torch.dtype) -> int:
+        return self.elems_per_row * torch.empty((), dtype=dtype).element_size()
+
+    def proj_shape(self, proj: str) -> tuple[int, int]:
+        """(in_features, out_features) of one HF projection."""
+        gi, si, _ = PROJ_TO_GROUP[proj]
+        g = self.groups[gi]
+        return g.in_features, g.output_sizes[si]
+
+    @staticmethod
+    def find_modules(model: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Module]:
+        """(layer, group name) -> module, for every LoRA-capable fused linear of the model."""
+        path_to_group = {path: name for name, path, _, _ in GROUP_LAYOUT}
+        found: dict[tuple[int, str], torch.nn.Module] = {}
+        for mod_name, mod in model.named_modules():
+            m = _MODULE_RE.search(mod_name)
+            if m:
+                found[(int(m.group(1)), path_to_group[m.group(2)])] = mod
+        return found
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "LoraModelSpec":
+        found = cls.find_modules(model)
+        if not found:
+            raise ValueError("the model has no LoRA-capable layers (layers.N.self_attn.qkv_proj, ...)")
+        num_layers = 1 + max(layer for layer, _ in found)
+        groups = []
+        for name, path, _, projs in GROUP_LAYOUT:
+            ref = None
+            for layer in range(num_layers):
+                mod = found.get((layer, name))
+                if mod is None:
+                    raise ValueError(f"the model lacks layers.{layer}.{path}")
+                shape = (int(mod.in_features), tuple(int(s) for s in mod.output_sizes))
+                if len(shape[1]) != len(projs):
+                    raise ValueError(f"layers.{layer}.{path} has {len(shape[1])} output slices, expected {len(projs)}")
+                if ref is None:
+                    ref = shape
+                elif shape != ref:
+                    raise ValueError(f"layers.{layer}.{path} has shape {shape}, layer 0 has {ref} (non-uniform layers are not supported)")
+            groups.append(LoraGroupSpec(name, path, projs, ref[0], ref[1]))
+        return cls(num_layers, tuple(groups))
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "LoraModelSpec":
+        """From a transformers LlamaConfig-like object (tests; models without the fused modules)."""
+        hidden = cfg.hidden_size
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        inter = cfg.intermediate_size
+        q, kv = heads * head_dim, kv_heads * head_dim
+        dims = {
+            "qkv_proj": (hidden, (q, kv, kv)),
+            "o_proj": (q, (hidden,)),
+            "gate_up_proj": (hidden, (inter, inter)),
+            "down_proj": (inter, (hidden,)),
+        }
+        groups = tuple(LoraGroupSpec(n, p, projs, *dims[n]) for n, p, _, projs in GROUP_LAYOUT)
+        return cls(cfg.num_hidden_layers, groups)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loaded adapter
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdapterWeights:
+    name: str
+    path: str
+    rank: int  # rows this adapter takes in every pool (its largest module rank)
+    scaling: float  # applied by the kernels; per-module differences are folded into B
+    a: dict[str, torch.Tensor]  # group name -> [num_layers, num_slices, rank, in]
+    b: dict[str, torch.Tensor]  # group name -> [num_layers, rank, sum(output_sizes)] (B transposed)
+    target_modules: list[str] = field(default_factory=list)  # projection names with weights
+    content_hash: str = ""  # sha256 of config + weights files
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.a.values()) + list(self.b.values()))
+
+    def pin_memory(self) -> "AdapterWeights":
+        self.a = {k: v.pin_memory() for k, v in self.a.items()}
+        self.b = {k: v.pin_memory() for k, v in self.b.items()}
+        return self
+
+
+@dataclass
+class AdapterConfigInfo:
+    """What the config alone says (cheap to read synchronously before the weights are loaded)."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict
+    alpha_pattern: dict
+    target_modules: object
+    max_rank: int  # max(r, rank_pattern values)
+    raw: dict
+
+    def scaling_for(self, r: int, alpha: float) -> float:
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def _fail(name: str, msg: str) -> AdapterLoadError:
+    return AdapterLoadError(f"adapter {name!r}: {msg}")
+
+
+def _pattern_key(pattern_keys, key_to_match: str) -> str | None:
+    """PEFT's rule (peft.utils.other.get_pattern_key): the first pattern that matches a suffix of the module name."""
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", key_to_match):
+            return key
+    return None
+
+
+# config fields that change the math; refused unless at their neutral value
+_REFUSED_FIELDS = {
+    "use_dora": ("DoRA (use_dora) is not supported", lambda v: bool(v)),
+    "modules_to_save": ("modules_to_save (fully trained extra modules) is not supported", lambda v: bool(v)),
+    "fan_in_fan_out": ("fan_in_fan_out=true is not supported (Llama projections are nn.Linear)", lambda v: bool(v)),
+    "lora_bias": ("lora_bias is not supported", lambda v: bool(v)),
+    "layer_replication": ("layer_replication is not supported", lambda v: bool(v)),
+    "target_parameters": ("target_parameters (LoRA on raw parameters) is not supported", lambda v: bool(v)),
+    "trainable_token_indices": ("trainable_token_indices (trained embedding rows) is not supported", lambda v: bool(v)),
+    "alora_invocation_tokens": ("activated LoRA (alora_invocation_tokens) is not supported", lambda v: bool(v)),
+    "use_qalora": ("QA-LoRA (use_qalora) is not supported", lambda v: bool(v)),
+    "kasa_config": ("KaSA (kasa_config) is not supported", lambda v: bool(v)),
+    "monteclora_config": ("MonteCLoRA (monteclora_config) is not supported", lambda v: bool(v)),
+    "use_bdlora": ("BD-LoRA (use_bdlora) is not supported", lambda v: bool(v)),
+    "arrow_config": ("Arrow routing (arrow_config) is not supported", lambda v: bool(v)),
+    "megatron_config": ("megatron_config is not supported", lambda v: bool(v)),
+}
+
+
+def read_adapter_config(adapter_dir: str, name: str, max_lora_rank: int) -> AdapterConfigInfo:
+    """Read and validate adapter_config.json (and that the weights file exists). Cheap; raises AdapterLoadError."""
+    if not os.path.isdir(adapter_dir):
+        raise _fail(name, f"{adapter_dir} is not a directory")
+    cfg_path = os.path.join(adapter_dir, CONFIG_NAME)
+    if not os.path.isfile(cfg_path):
+        raise _fail(name, f"missing {CONFIG_NAME} in {adapter_dir} (expected a PEFT save_pretrained directory)")
+    if not os.path.isfile(os.path.join(adapter_dir, WEIGHTS_NAME)):
+        if os.path.isfile(os.path.join(adapter_dir, PICKLE_WEIGHTS_NAME)):
+            raise _fail(name, f"only {PICKLE_WEIGHTS_NAME} (pickle) found in {adapter_dir}; pickled weights are refused "
+                        f"because loading them can run arbitrary code. Save with safe_serialization=True "
+                        f"(the default) to get {WEIGHTS_NAME}")
+        raise _fail(name, f"missing {WEIGHTS_NAME} in {adapter_dir}")
+    if os.path.getsize(cfg_path) > MAX_CONFIG_BYTES:
+        raise _fail(name, f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        with open(cfg_path, "rb") as f:
+            raw = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(name, f"cannot read {CONFIG_NAME}: {e}") from None
+    return parse_adapter_config(raw, name, max_lora_rank)
+
+
+def parse_adapter_config(raw: dict, name: str, max_lora_rank: int) -> AdapterConfigInfo:
+    if not isinstance(raw, dict):
+        raise _fail(name, f"{CONFIG_NAME} must hold a JSON object")
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise _fail(name, f"peft_type {peft_type!r} is not supported (only LORA)")
+    for key, (msg, bad) in _REFUSED_FIELDS.items():
+        if key in raw and raw[key] is not None and bad(raw[key]):
+            raise _fail(name, msg)
+    bias = raw.get("bias", "none")
+    if bias not in (None, "none"):
+        raise _fail(name, f"bias={bias!r} is not supported (only 'none')")
+
+    r = raw.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise _fail(name, f"r must be a positive integer, got {r!r}")
+    alpha = raw.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise _fail(name, f"lora_alpha must be a number, got {alpha!r}")
+    use_rslora = bool(raw.get("use_rslora", False))
+    rank_pattern = raw.get("rank_pattern") or {}
+    alpha_pattern = raw.get("alpha_pattern") or {}
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise _fail(name, "rank_pattern and alpha_pattern must be JSON objects")
+    for k, v in rank_pattern.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise _fail(name, f"rank_pattern[{k!r}] must be a positive integer, got {v!r}")
+    for k, v in alpha_pattern.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise _fail(name, f"alpha_pattern[{k!r}] must be a number, got {v!r}")
+    for k in list(rank_pattern) + list(alpha_pattern):
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise _fail(name, f"invalid pattern {k!r} in rank_pattern/alpha_pattern: {e}") from None
+    max_rank = max([r, *rank_pattern.values()])
+    if max_rank > max_lora_rank:
+        raise _fail(name, f"rank {max_rank} exceeds max_lora_rank={max_lora_rank}")
+
+    targets = raw.get("target_modules")
+    if targets is None:
+        raise _fail(name, "target_modules is not set")
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            try:
+                re.compile(targets)
+            except re.error as e:
+                raise _fail(name, f"target_modules regex {targets!r} is invalid: {e}") from None
+    elif isinstance(targets, list):
+        if not targets:
+            raise _fail(name, "target_modules is empty")
+        for t in targets:
+            if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in SUPPORTED_PROJS:
+                raise _fail(name, f"unsupported target module {t!r} (supported: {', '.join(SUPPORTED_PROJS)})")
+    else:
+        raise _fail(name, f"target_modules must be a list or a string, got {type(targets).__name__}")
+    return AdapterConfigInfo(r, float(alpha), use_rslora, rank_pattern, alpha_pattern, targets, max_rank, raw)
+
+
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\.(?P<proj>[A-Za-z_]+))"
+    r"\.lora_(?P<ab>A|B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
+)
+
+
+def _explain_key(key: str) -> str:
+    if "lora_embedding" in key or "embed_tokens" in key:
+        return "LoRA on embed_tokens is not supported"
+    if "lm_head" in key:
+        return "LoRA on lm_head is not supported"
+    if "lora_magnitude_vector" in key:
+        return "DoRA weights (lora_magnitude_vector) are not supported"
+    if "modules_to_save" in key or "original_module" in key:
+        return "modules_to_save weights are not supported"
+    if key.endswith(".bias"):
+        return "bias weights are not supported"
+    return "not a LoRA A/B weight of q/k/v/o/gate/up/down_proj"
+
+
+def load_peft_adapter(
+    adapter_dir: str,
+    name: str,
+    spec: LoraModelSpec,
+    dtype: torch.dtype,
+    max_lora_rank: int,
+    config: AdapterConfigInfo | None = None,
+    pin_memory: bool = False,
+) -> AdapterWeights:
+    """Read, validate and lay out one adapter (host memory). Raises AdapterLoadError."""
+    from safetensors.torch import load as st_load
+
+    if config is None:
+        config = read_adapter_config(adapter_dir, name, max_lora_rank)
+    cfg_bytes = b""
+    try:
+        with open(os.path.join(adapter_dir, CONFIG_NAME), "rb") as f:
+            cfg_bytes = f.read()
+        with open(os.path.join(adapter_dir, WEIGHTS_NAME), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise _fail(name, f"cannot read adapter files: {e}") from None
+    content_hash = hashlib.sha256(cfg_bytes + b"\0" + data).hexdigest()
+    try:
+        tensors = st_load(data)
+    except Exception as e:  # safetensors raises its own error types
+        raise _fail(name, f"{WEIGHTS_NAME} is not a valid safetensors file: {e}") from None
+    del data
+    if not tensors:
+        raise _fail(name, f"{WEIGHTS_NAME} holds no tensors")
+
+    # (layer, proj) -> {"A": t, "B": t, "module": module key}
+    mods: dict[tuple[int, str], dict] = {}
+    for key, t in tensors.items():
+        m = _KEY_RE.match(key)
+        if not m:
+            raise _fail(name, f"unsupported weight {key!r}: {_explain_key(key)}")
+        proj, block = m.group("proj"), m.group("block")
+        if proj not in PROJ_TO_GROUP or PROJ_TO_GROUP[proj][2] != block:
+            raise _fail(name, f"unsupported target module {block}.{proj} in weight {key!r} "
+                        f"(supported: {', '.join(SUPPORTED_PROJS)})")
+        layer = int(m.group("layer"))
+        if layer >= spec.num_layers:
+            raise _fail(name, f"weight {key!r} is for layer {layer} but the base model has {spec.num_layers} layers")
+        entry = mods.setdefault((layer, proj), {"module": m.group("module")})
+        if m.group("ab") in entry:
+            raise _fail(name, f"duplicate weight for layers.{layer}.{proj} lora_{m.group('ab')}")
+        entry[m.group("ab")] = t
+
+    # validate shapes, ranks, scalings
+    module_rank: dict[tuple[int, str], int] = {}
+    module_scaling: dict[tuple[int, str], float] = {}
+    for (layer, proj), e in sorted(mods.items()):
+        where = f"layers.{layer}.{proj}"
+        if "A" not in e or "B" not in e:
+            raise _fail(name, f"{where} has lora_{'A' if 'A' not in e else 'B'} missing")
+        A, B = e["A"], e["B"]
+        in_f, out_f = spec.proj_shape(proj)
+        if A.dim() != 2 or B.dim() != 2:
+            raise _fail(name, f"{where}: lora_A/lora_B must be 2-D, got {tuple(A.shape)} and {tuple(B.shape)}")
+        r = A.shape[0]
+        if A.shape[1] != in_f or B.shape[0] != out_f or B.shape[1] != r:
+            raise _fail(name, f"{where}: shape mismatch with the base model: lora_A {tuple(A.shape)}, lora_B "
+                        f"{tuple(B.shape)}; expected lora_A [r, {in_f}] and lora_B [{out_f}, r]")
+        if r < 1 or r > max_lora_rank:
+            raise _fail(name, f"{where}: rank {r} is outside 1..max_lora_rank={max_lora_rank}")
+        if not (A.is_floating_point() and B.is_floating_point()):
+            raise _fail(name, f"{where}: weights must be floating point, got {A.dtype}/{B.dtype}")
+        mkey = e["module"]
+        rk = _pattern_key(config.rank_pattern.keys(), mkey)
+        expected_r = config.rank_pattern[rk] if rk is not None else config.r
+        if r != expected_r:
+            raise _fail(name, f"{where}: weights have rank {r} but the config says {expected_r} "
+                        f"(r / rank_pattern)")
+        ak = _pattern_key(config.alpha_pattern.keys(), mkey)
+        alpha = config.alpha_pattern[ak] if ak is not None else config.lora_alpha
+        module_rank[(layer, proj)] = r
+        module_scaling[(layer, proj)] = config.scaling_for(r, alpha)
+        if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+            raise _fail(name, f"{where}: weights contain NaN or Inf")
+
+    present = sorted({proj for _, proj in mods}, key=SUPPORTED_PROJS.index)
+    if isinstance(config.target_modules, list):
+        listed = {t.rsplit(".", 1)[-1] for t in config.target_modules}
+        extra = [p for p in present if p not in listed]
+        if extra:
+            raise _fail(name, f"weights for {extra} are not in target_modules {config.target_modules}")
+        missing = [p for p in listed if p not in present]
+        if missing:
+            raise _fail(name, f"target_modules lists {sorted(missing)} but {WEIGHTS_NAME} has no weights for them")
+        if not config.raw.get("layers_to_transform") and not config.raw.get("exclude_modules"):
+            for proj in present:
+                lacking = [i for i in range(spec.num_layers) if (i, proj) not in mods]
+                if lacking:
+                    raise _fail(name, f"{proj} is targeted but has no weights for layers {lacking}")
+
+    rank = max(module_rank.values())
+    base_scaling = config.scaling_for(config.r, config.lora_alpha)
+    if base_scaling == 0.0:
+        base_scaling = 1.0 if all(s == 0.0 for s in module_scaling.values()) else max(module_scaling.values(), key=abs)
+
+    a_out: dict[str, torch.Tensor] = {}
+    b_out: dict[str, torch.Tensor] = {}
+    for gi, g in enumerate(spec.groups):
+        projs_here = [(layer, proj) for (layer, proj) in mods if PROJ_TO_GROUP[proj][0] == gi]
+        if not projs_here:
+            continue
+        a = torch.zeros(spec.num_layers, g.num_slices, rank, g.in_features, dtype=dtype)
+        b = torch.zeros(spec.num_layers, rank, g.out_features, dtype=dtype)
+        offs = g.slice_offsets
+        for layer, proj in projs_here:
+            e = mods[(layer, proj)]
+            si = PROJ_TO_GROUP[proj][1]
+            r = module_rank[(layer, proj)]
+            ratio = module_scaling[(layer, proj)] / base_scaling
+            a[layer, si, :r].copy_(e["A"])
+            bt = e["B"].t()
+            if ratio != 1.0:
+                bt = bt.float() * ratio
+            b[layer, :r, offs[si]:offs[si + 1]].copy_(bt)
+        a_out[g.name] = a
+        b_out[g.name] = b
+    w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash)
+    if pin_memory:
+        w.pin_memory()
+    return w

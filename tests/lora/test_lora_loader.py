@@ -1,0 +1,234 @@
+"""PEFT adapter loading: layout, scaling, dtype, and every refusal."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from backend.lora import AdapterLoadError, LoraModelSpec, load_peft_adapter, read_adapter_config
+from lora_helpers import make_peft_adapter, make_tiny_llama, tiny_llama_config, write_raw_adapter
+
+CFG = tiny_llama_config()
+SPEC = LoraModelSpec.from_hf_config(CFG)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("base")))
+
+
+def _load(path, name="ad", max_rank=64, dtype=torch.float32):
+    return load_peft_adapter(path, name, SPEC, dtype, max_rank)
+
+
+def _peft_state(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "adapter_model.safetensors"))
+
+
+def test_spec_from_config():
+    g = {x.name: x for x in SPEC.groups}
+    assert g["qkv_proj"].output_sizes == (64, 32, 32) and g["qkv_proj"].in_features == 64
+    assert g["gate_up_proj"].output_sizes == (128, 128) and g["down_proj"].in_features == 128
+    assert SPEC.num_layers == 2
+
+
+def test_layout_matches_peft(base_dir, tmp_path):
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=1, r=4, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    w = _load(d)
+    sd = _peft_state(d)
+    assert w.rank == 4 and w.scaling == pytest.approx(16 / 4)
+    assert set(w.a) == {"qkv_proj", "down_proj"}  # o_proj, gate_up untouched -> absent (pool writes zeros)
+    assert w.target_modules == ["q_proj", "v_proj", "down_proj"]
+    for layer in range(2):
+        qa = sd[f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_A.weight"]
+        qb = sd[f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_B.weight"]
+        va = sd[f"base_model.model.model.layers.{layer}.self_attn.v_proj.lora_A.weight"]
+        vb = sd[f"base_model.model.model.layers.{layer}.self_attn.v_proj.lora_B.weight"]
+        torch.testing.assert_close(w.a["qkv_proj"][layer, 0], qa)
+        torch.testing.assert_close(w.a["qkv_proj"][layer, 2], va)
+        assert w.a["qkv_proj"][layer, 1].abs().sum() == 0  # k untargeted
+        torch.testing.assert_close(w.b["qkv_proj"][layer, :, 0:64], qb.t())
+        assert w.b["qkv_proj"][layer, :, 64:96].abs().sum() == 0
+        torch.testing.assert_close(w.b["qkv_proj"][layer, :, 96:128], vb.t())
+        db = sd[f"base_model.model.model.layers.{layer}.mlp.down_proj.lora_B.weight"]
+        torch.testing.assert_close(w.b["down_proj"][layer], db.t())
+    assert len(w.content_hash) == 64
+
+
+def test_rslora_and_dtype(base_dir, tmp_path):
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=2, r=9, alpha=6, target_modules=["o_proj"], use_rslora=True)
+    w = _load(d, dtype=torch.bfloat16)
+    assert w.scaling == pytest.approx(6 / math.sqrt(9))
+    assert w.a["o_proj"].dtype == torch.bfloat16 and w.b["o_proj"].dtype == torch.bfloat16
+
+
+def test_all_linear_and_regex_targets(base_dir, tmp_path):
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=3, r=2, alpha=2, target_modules="all-linear")
+    w = _load(d)
+    assert w.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    d = make_peft_adapter(base_dir, str(tmp_path / "b"), seed=3, r=2, alpha=2, target_modules=r".*\.1\.mlp\.(gate|up)_proj")
+    w = _load(d)
+    assert w.target_modules == ["gate_proj", "up_proj"]
+    assert w.a["gate_up_proj"][0].abs().sum() == 0 and w.a["gate_up_proj"][1].abs().sum() > 0
+
+
+def test_rank_and_alpha_pattern(base_dir, tmp_path):
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=4, r=4, alpha=8, target_modules=["q_proj", "down_proj"],
+                          rank_pattern={"down_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 2})
+    w = _load(d)
+    sd = _peft_state(d)
+    assert w.rank == 4 and w.scaling == pytest.approx(2.0)
+    # down_proj rank 2 (scaling 8/2 = 4 = 2x adapter scaling): padded rows zero, ratio folded into B
+    db = sd["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    torch.testing.assert_close(w.b["down_proj"][0, :2], db.t() * 2.0)
+    assert w.b["down_proj"][0, 2:].abs().sum() == 0 and w.a["down_proj"][0, 0, 2:].abs().sum() == 0
+    # layer-1 q_proj alpha 2 -> scaling 0.5 = 0.25x
+    qb = sd["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    torch.testing.assert_close(w.b["qkv_proj"][1, :, :64], qb.t() * 0.25)
+    qb0 = sd["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    torch.testing.assert_close(w.b["qkv_proj"][0, :, :64], qb0.t())
+
+
+def test_layers_to_transform(base_dir, tmp_path):
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=5, r=3, alpha=3, target_modules=["k_proj"], layers_to_transform=[1])
+    w = _load(d)
+    assert w.a["qkv_proj"][0].abs().sum() == 0 and w.a["qkv_proj"][1, 1].abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def _raw(tmp_path, name="x", **kw):
+    args = dict(seed=0, r=4, alpha=8, target_modules=["q_proj"])
+    args.update(kw)
+    return write_raw_adapter(str(tmp_path / name), CFG, **args)
+
+
+def _refused(path, *fragments, max_rank=64, name="bad"):
+    with pytest.raises(AdapterLoadError) as ei:
+        _load(path, name=name, max_rank=max_rank)
+    msg = str(ei.value)
+    assert f"adapter {name!r}" in msg
+    for f in fragments:
+        assert f in msg, msg
+    return msg
+
+
+def test_refuse_missing_dir_and_files(tmp_path):
+    _refused(str(tmp_path / "nope"), "not a directory")
+    d = _raw(tmp_path)
+    os.remove(os.path.join(d, "adapter_config.json"))
+    _refused(d, "missing adapter_config.json")
+    d = _raw(tmp_path, "y")
+    os.remove(os.path.join(d, "adapter_model.safetensors"))
+    _refused(d, "missing adapter_model.safetensors")
+
+
+def test_refuse_pickle_bin(tmp_path):
+    d = _raw(tmp_path)
+    os.remove(os.path.join(d, "adapter_model.safetensors"))
+    marker = tmp_path / "pwned"
+    # a pickle that would create a file if it were ever unpickled
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(os.path.join(d, "adapter_model.bin"), "wb") as f:
+        pickle.dump(Evil(), f)
+    _refused(d, "adapter_model.bin", "pickle", "safetensors")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("extra,frag", [
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "unsupported target module 'embed_tokens'"),
+    ({"target_modules": ["lm_head"]}, "unsupported target module 'lm_head'"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"use_dora": True}, "DoRA"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"bias": "lora_only"}, "bias='lora_only'"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3'"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"target_modules": "("}, "regex"),
+    ({"r": 0}, "r must be a positive integer"),
+])
+def test_refuse_config(tmp_path, extra, frag):
+    _refused(_raw(tmp_path, extra_config=extra), frag)
+
+
+def test_refuse_bad_json(tmp_path):
+    d = _raw(tmp_path)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        f.write("{not json")
+    _refused(d, "cannot read adapter_config.json")
+
+
+def test_refuse_rank_over_max(tmp_path):
+    _refused(_raw(tmp_path, r=8), "exceeds max_lora_rank=4", max_rank=4)
+    _refused(_raw(tmp_path, "y", r=2, extra_config={"rank_pattern": {"q_proj": 16}}), "rank 16 exceeds", max_rank=8)
+
+
+def test_refuse_unknown_weights(tmp_path):
+    emb = {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 256)}
+    _refused(_raw(tmp_path, "a", extra_tensors=emb), "embed_tokens")
+    head = {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}
+    _refused(_raw(tmp_path, "b", extra_tensors=head), "lm_head")
+    dora = {"base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector": torch.zeros(64)}
+    _refused(_raw(tmp_path, "c", extra_tensors=dora), "DoRA")
+    bias = {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias": torch.zeros(64)}
+    _refused(_raw(tmp_path, "d", extra_tensors=bias), "bias")
+
+
+def test_refuse_shape_mismatch(tmp_path):
+    other = tiny_llama_config(hidden=32, inter=96, heads=2, kv_heads=1)
+    d = write_raw_adapter(str(tmp_path / "x"), other, seed=0, r=4, alpha=8, target_modules=["q_proj"])
+    _refused(d, "shape mismatch with the base model", "layers.0.q_proj")
+    deep = tiny_llama_config(layers=4)
+    d = write_raw_adapter(str(tmp_path / "y"), deep, seed=0, r=4, alpha=8, target_modules=["v_proj"])
+    _refused(d, "but the base model has 2 layers")
+
+
+def test_refuse_inconsistent_files(tmp_path):
+    # rank in weights != config r
+    _refused(_raw(tmp_path, "a", extra_config={"r": 8}), "rank 4 but the config says 8")
+    # weights for a module not in target_modules
+    _refused(_raw(tmp_path, "b", target_modules=["q_proj", "o_proj"], extra_config={"target_modules": ["q_proj"]}),
+             "['o_proj'] are not in target_modules")
+    # target listed without weights
+    _refused(_raw(tmp_path, "c", extra_config={"target_modules": ["q_proj", "k_proj"]}), "['k_proj']", "no weights")
+    # A without B
+    from safetensors.torch import load_file, save_file
+
+    d = _raw(tmp_path, "d")
+    p = os.path.join(d, "adapter_model.safetensors")
+    sd = load_file(p)
+    del sd["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    save_file(sd, p)
+    _refused(d, "layers.1.q_proj has lora_B missing")
+    # non-finite
+    d = _raw(tmp_path, "e")
+    p = os.path.join(d, "adapter_model.safetensors")
+    sd = load_file(p)
+    sd["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"][0, 0] = float("nan")
+    save_file(sd, p)
+    _refused(d, "NaN")
+    # not a safetensors file
+    d = _raw(tmp_path, "f")
+    with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"garbage" * 10)
+    _refused(d, "not a valid safetensors file")
+
+
+def test_read_config_only_is_cheap_and_validates(tmp_path):
+    d = _raw(tmp_path, r=4, extra_config={"rank_pattern": {"q_proj": 6}})
+    info = read_adapter_config(d, "x", 64)
+    assert info.max_rank == 6
+    with open(os.path.join(d, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 4
