@@ -1,0 +1,269 @@
+"""Triton Python-based backend `loom`: decoupled streaming LLM serving with per-request LoRA adapters.
+
+Deploy by copying this file to `<backend dir>/loom/model.py` (with the project installed in the
+Python environment) and giving models `backend: "loom"`. `execute()` only parses, tokenizes and
+enqueues; one AsyncEngine thread steps the engine and ResponseStreamer threads send the responses.
+It never raises out of `execute()`: every refusal is an error response with the final flag.
+The only module that imports triton_python_backend_utils.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import traceback
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.async_engine import AsyncEngine, RequestDelta
+from backend.response_streamer import ResponseStreamer
+from backend.outputs import RequestError
+from backend.request_parser import AdapterOp, ParsedRequest, parse_adapter_op, parse_request, resolve_adapter_path
+from backend.serve_config import parse_model_parameters
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
+               "return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+               "return_num_output_tokens")
+_INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "input_ids", "data_type": "TYPE_INT32", "dims": [-1], "optional": True},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+] + [{"name": n, "data_type": "TYPE_BOOL", "dims": [1], "optional": True} for n in INPUT_NAMES[4:]]
+_OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+]
+
+
+class _TritonLog(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = f"[loom] {self.format(record)}"
+            if record.levelno >= logging.ERROR:
+                pb_utils.Logger.log_error(msg)
+            elif record.levelno >= logging.WARNING:
+                pb_utils.Logger.log_warn(msg)
+            else:
+                pb_utils.Logger.log_info(msg)
+        except Exception:
+            pass
+
+
+log = logging.getLogger("loom")
+
+
+def _error(message: str, kind: str | None) -> "pb_utils.TritonError":
+    codes = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED",
+             "timeout": "UNAVAILABLE", "internal": "INTERNAL"}
+    code = getattr(pb_utils.TritonError, codes.get(kind or "", "INTERNAL"), None)
+    return pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+
+
+def _kind_of(e: Exception) -> str:
+    if isinstance(e, RequestError):
+        return "unavailable" if e.field in ("overload", "server") else "invalid"
+    return "internal"
+
+
+@dataclass
+class _Ctx:
+    sender: object
+    parsed: ParsedRequest
+    prompt_ids: list[int]
+    num_sent_tokens: int = 0
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, cfg):
+        have = cfg.as_dict()
+        ins = {i["name"] for i in have.get("input", [])}
+        outs = {o["name"] for o in have.get("output", [])}
+        for i in _INPUTS:
+            if i["name"] not in ins:
+                cfg.add_input(i)
+        for o in _OUTPUTS:
+            if o["name"] not in outs:
+                cfg.add_output(o)
+        cfg.set_model_transaction_policy(dict(decoupled=True))
+        cfg.set_max_batch_size(0)
+        return cfg
+
+    def initialize(self, args):
+        logging.getLogger("loom").addHandler(_TritonLog())
+        logging.getLogger("loom").setLevel(logging.INFO)
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise ValueError("loom: the model must set model_transaction_policy { decoupled: true }")
+        # Bad values raise ConfigError naming the parameter: Triton then refuses to load the model.
+        cfg = parse_model_parameters(self.model_config.get("parameters", {}), args["model_repository"])
+        if args.get("model_instance_kind") == "GPU" and cfg.engine.device == "auto":
+            cfg.engine.device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+        if not cfg.engine.model:
+            from backend.default_model import ensure_default_model
+            cfg.engine.model = str(ensure_default_model())
+        from backend.engine import LLMEngine  # heavy import (torch, kernels) only when a model loads
+
+        self.cfg, self.limits = cfg, cfg.limits
+        self.engine = LLMEngine(cfg.engine)
+        # The loop thread decodes with engine.tokenizer; fast tokenizers are not safe to share across
+        # threads, so execute() (encode) and the senders (logprob tokens) get their own copies.
+        self.encoder = copy.deepcopy(self.engine.tokenizer)
+        self.token_decoder = copy.deepcopy(self.engine.tokenizer)
+        self.vocab_size = len(self.encoder)
+        self._token_cache: dict[int, str] = {}
+        self._token_lock = threading.Lock()
+        self.metrics = None
+        if cfg.options.metrics:
+            from backend.metrics import LoomMetrics
+            labels = {"model": args["model_name"], "version": str(args["model_version"])}
+            max_len = getattr(self.engine, "max_model_len", 0) or cfg.engine.max_model_len or 8192
+            self.metrics = LoomMetrics(pb_utils, labels, max_len)
+        # Adapters named by requests load on first use from <adapter root>/<name> (the engine's registry).
+        self.async_engine = AsyncEngine(self.engine, max_queue_size=cfg.options.max_queue_size,
+                                        default_timeout_s=cfg.options.default_request_timeout_s or None,
+                                        observer=self.metrics)
+        self.streamer = ResponseStreamer(self._send, cfg.options.sender_threads)
+        log.info(f"model {args['model_name']} ready: {cfg.engine.model} on {cfg.engine.device}")
+
+    # ------------------------------------------------------------ requests
+
+    def execute(self, requests):
+        for request in requests:
+            sender = None
+            try:
+                sender = request.get_response_sender()
+                self._enqueue(request, sender)
+            except Exception as e:
+                if not isinstance(e, RequestError):
+                    log.error("execute failed:\n" + traceback.format_exc())
+                self._send_error(sender or request.get_response_sender(), str(e) if isinstance(e, RequestError)
+                                 else f"internal: {type(e).__name__}: {e}", _kind_of(e))
+        return None
+
+    def _enqueue(self, request, sender) -> None:
+        params = request.parameters()
+        op = parse_adapter_op(params)
+        if op is not None:
+            self._adapter_request(op, sender)
+            return
+        inputs = {}
+        for name in INPUT_NAMES:
+            t = pb_utils.get_input_tensor_by_name(request, name)
+            if t is not None:
+                inputs[name] = t.as_numpy()
+        parsed = parse_request(inputs, params, self.limits)
+        if parsed.ids_mode:
+            prompt_ids = parsed.prompt_token_ids
+            if max(prompt_ids) >= self.vocab_size:
+                raise RequestError("input_ids", f"token ids must be < the vocabulary size {self.vocab_size}")
+        else:
+            prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as backend.llm does
+            if not prompt_ids:
+                raise RequestError("text_input", "the prompt encodes to no tokens")
+        ctx = _Ctx(sender, parsed, prompt_ids)
+        self.async_engine.submit(uuid.uuid4().hex, prompt_ids, parsed.params, parsed.lora_name,
+                                 on_output=self.streamer.open(ctx, parsed.stream), is_cancelled=sender.is_cancelled,
+                                 timeout_s=parsed.request_timeout_s)
+
+    def _adapter_request(self, op: AdapterOp, sender) -> None:
+        path = None
+        if op.op in ("load", "reload"):
+            path = resolve_adapter_path(op.name, op.path, self.cfg.engine.adapter_roots)
+        fut = self.async_engine.adapter_op(op.op, op.name, path)
+
+        def done(f):
+            try:
+                result = f.result()
+                body = json.dumps({"adapter_op": op.op, "lora_name": op.name, "lora_path": path, "result": result},
+                                  default=str)
+                out = pb_utils.Tensor("text_output", np.array([body.encode()], dtype=np.object_))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]), flags=FINAL)
+            except Exception as e:
+                self._send_error(sender, str(e) if isinstance(e, RequestError)
+                                 else f"adapter_op: {type(e).__name__}: {e}", _kind_of(e))
+        fut.add_done_callback(done)
+
+    # ------------------------------------------------------------ responses (sender threads)
+
+    def _send_error(self, sender, message: str, kind: str | None) -> None:
+        try:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=_error(message, kind)), flags=FINAL)
+        except Exception:
+            log.error("could not send an error response:\n" + traceback.format_exc())
+
+    def _send(self, ctx: _Ctx, d: RequestDelta) -> None:
+        if d.error:
+            if ctx.parsed.stream and (d.text or d.token_ids) and d.error_kind != "cancelled":
+                ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, d, final=False)))
+            self._send_error(ctx.sender, d.error, d.error_kind)
+            return
+        ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, d, d.finished)),
+                        flags=FINAL if d.finished else 0)
+
+    def _tensors(self, ctx: _Ctx, d: RequestDelta, final: bool) -> list:
+        p = ctx.parsed
+        text, ids = d.text, d.token_ids
+        if not p.exclude_input_in_output:  # only non-streamed requests get here (vllm_backend semantics)
+            text = (p.prompt if p.prompt is not None else self.token_decoder.decode(ctx.prompt_ids)) + text
+            ids = ctx.prompt_ids + ids
+        out = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        if p.ids_mode:
+            out.append(pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)))
+        r = p.returns
+        if r.finish_reason:
+            out.append(pb_utils.Tensor("finish_reason", np.array([str(d.finish_reason if final else None).encode()],
+                                                                  dtype=np.object_)))
+        if r.cumulative_logprob:
+            out.append(pb_utils.Tensor("cumulative_logprob", np.array([d.cumulative_logprob], dtype=np.float32)))
+        if r.logprobs:
+            out.append(pb_utils.Tensor("logprobs", np.array([self._logprobs_json(d).encode()], dtype=np.object_)))
+        if r.num_input_tokens:
+            out.append(pb_utils.Tensor("num_input_tokens", np.array([d.num_prompt_tokens], dtype=np.uint32)))
+        if r.num_output_tokens:
+            out.append(pb_utils.Tensor("num_output_tokens", np.array([len(d.token_ids)], dtype=np.uint32)))
+        return out
+
+    def _token_text(self, tid: int) -> str:
+        s = self._token_cache.get(tid)
+        if s is None:
+            with self._token_lock:  # sender threads share one tokenizer copy
+                s = self._token_cache[tid] = self.token_decoder.decode([tid])
+        return s
+
+    def _logprobs_json(self, d: RequestDelta) -> str:
+        # vllm_backend's format: one {token_id: {logprob, rank, decoded_token}} per generated token.
+        if d.logprobs is None:
+            return "null"
+        items = []
+        for tl in d.logprobs:
+            entry = {}
+            for rank, (tid, lp) in enumerate(tl.top, start=1):
+                entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tid)}
+            if str(tl.token_id) not in entry:  # sampled token outside the top-n: rank is a lower bound
+                rank = 1 + sum(1 for _, lp in tl.top if lp > tl.logprob)
+                entry = {str(tl.token_id): {"logprob": tl.logprob, "rank": rank,
+                                            "decoded_token": self._token_text(tl.token_id)}, **entry}
+            items.append(entry)
+        return json.dumps(items)
+
+    def finalize(self):
+        log.info("finalize: stopping the engine loop and the senders")
+        ae = getattr(self, "async_engine", None)
+        if ae is not None:
+            ae.shutdown(timeout=10.0)
+        if getattr(self, "streamer", None) is not None:
+            self.streamer.close(timeout=5.0)
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
