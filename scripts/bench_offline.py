@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""The published offline protocol: this engine against HF transformers, side by side in one run.
+
+N requests (default 64) of ordinary English sentences, all arriving at once, greedy, exactly --max-tokens
+tokens each (EOS ignored), the default model, float32. The same prompt token ids go to:
+
+* loom       this engine through the offline API (`LLM.stream`); a request's latency = its finish - t0;
+* hf-static  transformers `generate` on static batches of --hf-batch-size (left padding), one batch after
+             another; a request's latency = the end of its batch - t0;
+* hf-cb      transformers' own continuous batching (`model.generate_batch`, paged attention); a
+             request's latency = the end of its lifespan - the first request's creation (the manager's
+             set-up, sized to the same KV capacity as loom's, is reported separately, not counted).
+
+Prints tokens/s, mean/p50/p99 request latency (each also as a ratio to loom), how many requests have
+greedy tokens identical to HF static (left padding can legitimately change a few tokens in float32: a
+count, not a failure), and the share of allocated KV memory that holds real tokens at peak.
+Saves raw results (JSON) and a plot (PNG) under results/.
+
+    python scripts/bench_offline.py                       # the protocol: 64 prompts x 300 tokens
+    python scripts/bench_offline.py --num-prompts 32      # issue 2's target figure
+    python scripts/bench_offline.py --num-prompts 4 --max-tokens 8 --hf-batch-size 2   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_common as bc  # noqa: E402  (imports backend before torch)
+
+import torch  # noqa: E402
+
+SYSTEMS = ("loom", "hf-static", "hf-cb")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=300, help="tokens generated per request (EOS ignored)")
+    ap.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
+    ap.add_argument("--model", default="", help="HF model folder (default: the default model)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (all systems use the same)")
+    ap.add_argument("--skip", action="append", default=[], choices=("hf-static", "hf-cb"),
+                    help="leave a peer out (repeatable)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="loom's KV budget (0 = engine default)")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="loom's max running sequences (0 = engine default)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="loom's token budget per step (0 = default)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the small untimed warm-up run of each system")
+    ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default: results/)")
+    ap.add_argument("--tag", default="", help="suffix for the output file names")
+    ap.add_argument("--no-plot", action="store_true")
+    return ap.parse_args(argv)
+
+
+# ---- loom --------------------------------------------------------------------------------------
+
+def engine_kwargs(args) -> dict:
+    kw = {"dtype": args.dtype, "device": args.device}
+    if args.kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kw
+
+
+def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: float) -> dict:
+    from backend.sampling_params import SamplingParams
+
+    engine = llm.engine
+    bs = engine.config.block_size
+    samples: list[tuple[float, int, int, int]] = []  # (t, tokens held, blocks used, running)
+    orig_step = engine.step
+    t0 = 0.0
+
+    def sampled_step():
+        outs = orig_step()
+        running = engine.scheduler.running
+        held = sum(s.num_computed_tokens for s in running)
+        samples.append((time.perf_counter() - t0, held, engine.block_manager.num_used_blocks, len(running)))
+        return outs
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    n = len(prompt_ids)
+    first = [None] * n
+    finish = [None] * n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    stats0 = engine.stats()
+    engine.step = sampled_step
+    try:
+        t0 = time.perf_counter()
+        last_report, produced = t0, 0
+        # LLM.stream names requests offline-<k> from one counter, in prompt order: peek at the next k
+        k0 = next(llm._ids)
+        llm._ids = itertools.count(k0)
+        for out in llm.stream(prompt_ids, params):
+            now = time.perf_counter()
+            i = int(out.request_id.rsplit("-", 1)[1]) - k0
+            if first[i] is None and out.delta_token_ids:
+                first[i] = now - t0
+            produced += len(out.delta_token_ids)
+            if out.finished:
+                finish[i] = now - t0
+                tokens[i] = list(out.token_ids)
+                if out.error:
+                    raise RuntimeError(f"loom request {out.request_id} failed: {out.error}")
+            if now - last_report >= progress_every:
+                done = sum(f is not None for f in finish)
+                bc.progress(f"  loom: {produced} tokens, {done}/{n} done, {produced / (now - t0):.1f} tok/s")
+                last_report = now
+    finally:
+        engine.step = orig_step
+    stats1 = engine.stats()
+    return {
+        "latencies_s": finish, "first_token_s": first, "tokens": tokens, "wall_s": max(finish),
+        "kv_samples": samples, "block_size": bs, "kv_blocks_total": engine.block_manager.num_blocks,
+        "num_preemptions": stats1.num_preemptions - stats0.num_preemptions,
+        "prefix_hit_tokens": stats1.prefix_hit_tokens - stats0.prefix_hit_tokens,
+        "kv_tokens_capacity": engine.block_manager.num_blocks * bs,
+    }
+
+
+def loom_kv_share(res: dict) -> dict:
+    samples = [s for s in res["kv_samples"] if s[2] > 0]
+    if not samples:
+        return {}
+    bs = res["block_size"]
+    peak = max(samples, key=lambda s: (s[2], s[1]))
+    shares = [s[1] / (s[2] * bs) for s in samples]
+    return {
+        "share_at_peak": peak[1] / (peak[2] * bs), "tokens_at_peak": peak[1], "blocks_at_peak": peak[2],
+        "blocks_used_over_total_at_peak": peak[2] / res["kv_blocks_total"],
+        "share_min": min(shares), "share_mean": sum(shares) / len(shares), "steps": len(samples),
+    }
+
+
+# ---- HF static batches -------------------------------------------------------------------------
+
+def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # EOS ignored like `ignore_eos`: generate() fills unset values from the model's generation config,
+    # so remove the EOS there (it is not used for anything else in this process).
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_static(model, prompt_ids, max_tokens: int, batch_size: int, pad_id: int, device, quiet: bool = False) -> dict:
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
+                               pad_token_id=pad_id)
+    n = len(prompt_ids)
+    latencies = [None] * n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    kv_real = kv_alloc = 0
+    batches = []
+    t0 = time.perf_counter()
+    for start in range(0, n, batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, p in enumerate(chunk):  # left padding
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter() - t0
+        gen = out[:, width:].tolist()
+        for j, g in enumerate(gen):
+            latencies[start + j] = end
+            tokens[start + j] = g
+        # The cache holds every row at the padded width: real tokens vs allocated slots at the end of a batch.
+        real = sum(len(p) for p in chunk) + len(chunk) * (max_tokens - 1)
+        alloc = len(chunk) * (width + max_tokens - 1)
+        kv_real += real
+        kv_alloc += alloc
+        batches.append({"start": start, "size": len(chunk), "width": width, "end_s": end})
+        done = start + len(chunk)
+        if not quiet:
+            bc.progress(f"  hf-static: batch {start // batch_size + 1}/{-(-n // batch_size)} done at {end:.1f}s "
+                        f"({done * max_tokens / end:.1f} tok/s so far)")
+    return {"latencies_s": latencies, "tokens": tokens, "wall_s": max(latencies), "batches": batches,
+            "kv": {"share_at_peak": kv_real / kv_alloc, "note": "real tokens / padded cache slots at each batch's end"}}
+
+
+# ---- HF continuous batching ----------------------------------------------------------------------
+
+def run_hf_cb(model, prompt_ids, max_tokens: int, pad_id: int, kv_tokens: int, device, progress_every: float) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen_cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=pad_id)
+    page = ContinuousBatchingConfig().page_size
+    # By default it sizes the cache from free memory (90%: on CPU, most of the machine's RAM, slow to allocate).
+    # Give it loom's token capacity, or more if its coarser pages need more for every request to be resident.
+    pages_all_resident = sum(-(-(len(p) + max_tokens) // page) for p in prompt_ids)
+    cb_cfg = ContinuousBatchingConfig(num_blocks=max(1, -(-kv_tokens // page), pages_all_resident))
+    stop = threading.Event()
+    t_call = time.perf_counter()
+
+    def heartbeat():
+        while not stop.wait(progress_every):
+            bc.progress(f"  hf-cb: running ({time.perf_counter() - t_call:.0f}s)")
+
+    hb = threading.Thread(target=heartbeat, daemon=True)
+    hb.start()
+    try:
+        out = model.generate_batch(prompt_ids, generation_config=gen_cfg, continuous_batching_config=cb_cfg,
+                                   max_new_tokens=max_tokens, warmup=device.type == "cuda")
+    finally:
+        stop.set()
+    call_s = time.perf_counter() - t_call
+    results = list(out.values())
+    if len(results) != len(prompt_ids):
+        raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompt_ids)} requests")
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"generate_batch: {len(errors)} requests failed, e.g. {errors[0]}")
+    # keys are req_<k> in input order
+    results.sort(key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+    t0 = min(r.created_time for r in results)
+    latencies = [r.lifespan[1] - t0 for r in results]
+    # A paged cache of `page`-token blocks with every request resident (as at the end of this workload).
+    real = sum(len(p) + max_tokens for p in prompt_ids)
+    alloc = sum(-(-(len(p) + max_tokens) // page) * page for p in prompt_ids)
+    return {"latencies_s": latencies, "tokens": [list(r.generated_tokens) for r in results], "wall_s": max(latencies),
+            "setup_s": t0 - t_call, "call_s": call_s, "page_size": page, "num_blocks": cb_cfg.num_blocks,
+            "kv": {"share_at_peak": real / alloc, "note": f"estimate: all requests resident in {page}-token pages"}}
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    prefixes = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefixes.append(k)
+    return {"identical": same, "total": len(a), "mean_common_prefix": sum(prefixes) / max(1, len(prefixes)),
+            "min_common_prefix": min(prefixes) if prefixes else 0}
+
+
+def report(res: dict, args) -> str:
+    lines = []
+    sysres = res["systems"]
+    base = sysres["loom"]
+    rows = []
+    for name in SYSTEMS:
+        r = sysres.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            rows.append([name, "failed"] + [None] * 8)
+            continue
+        s = r["latency"]
+        ident = r.get("agreement_vs_hf_static")
+        rows.append([name, r["tokens_per_s"], bc.ratio(r["tokens_per_s"], base["tokens_per_s"]),
+                     s["mean"], bc.ratio(s["mean"], base["latency"]["mean"]),
+                     s["p50"], bc.ratio(s["p50"], base["latency"]["p50"]),
+                     s["p99"], bc.ratio(s["p99"], base["latency"]["p99"]),
+                     f"{ident['identical']}/{ident['total']}" if ident else ("(reference)" if name == "hf-static" else "-")])
+    lines.append(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, EOS ignored, {args.dtype}, "
+                 f"HF static batch {args.hf_batch_size}; ratios are system / loom")
+    lines.append(bc.table(["system", "tok/s", "x loom", "mean lat s", "x loom", "p50 s", "x loom", "p99 s", "x loom",
+                           "same tokens as hf-static"], rows))
+    lines.append("")
+    for name in SYSTEMS[1:]:
+        r = sysres.get(name)
+        if r and "error" not in r:
+            lines.append(f"loom vs {name}: {bc.ratio(base['tokens_per_s'], r['tokens_per_s']):.2f}x the tokens/s, "
+                         f"mean latency {bc.ratio(base['latency']['mean'], r['latency']['mean']):.2f}x theirs")
+        elif r:
+            lines.append(f"{name}: FAILED: {r['error']}")
+    ag = base.get("agreement_vs_hf_cb")
+    if ag:
+        lines.append(f"greedy tokens identical to hf-cb: {ag['identical']}/{ag['total']} "
+                     f"(mean common prefix {ag['mean_common_prefix']:.0f} tokens)")
+    ag = base.get("agreement_vs_hf_static")
+    if ag:
+        lines.append(f"greedy tokens identical to hf-static: {ag['identical']}/{ag['total']} "
+                     f"(mean common prefix {ag['mean_common_prefix']:.0f} of {args.max_tokens}; left padding can "
+                     f"change a few tokens in float32)")
+    kv = base.get("kv", {})
+    if kv:
+        lines.append(f"KV memory holding real tokens at peak: loom {kv['share_at_peak']:.1%} "
+                     f"({kv['tokens_at_peak']} tokens in {kv['blocks_at_peak']} blocks of {base['block_size']}; "
+                     f"{kv['blocks_used_over_total_at_peak']:.1%} of the {base['kv_blocks_total']} blocks in use), "
+                     f"lowest over steps {kv['share_min']:.1%}; preemptions {base['num_preemptions']}, "
+                     f"prefix-cache hit tokens {base['prefix_hit_tokens']}")
+    for name in SYSTEMS[1:]:
+        r = sysres.get(name)
+        if r and "kv" in r:
+            lines.append(f"  {name}: {r['kv']['share_at_peak']:.1%} ({r['kv']['note']})")
+    cb = sysres.get("hf-cb")
+    if cb and "setup_s" in cb:
+        lines.append(f"hf-cb manager set-up (not counted): {cb['setup_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    if not bc.have_matplotlib():
+        return
+    plt, fig, axes = bc.new_figure(1, 3, size=(15, 4.5))
+    sysres = {k: v for k, v in res["systems"].items() if "error" not in v}
+    ax = axes[0][0]
+    for name, r in sysres.items():
+        lat = sorted(r["latencies_s"])
+        ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], drawstyle="steps-post", label=name)
+    ax.set_xlabel("request latency (s)")
+    ax.set_ylabel("share of requests finished")
+    ax.set_title("request latency (all arrive at t=0)")
+    ax.legend()
+    ax = axes[0][1]
+    names = list(sysres)
+    ax.bar(names, [sysres[n]["tokens_per_s"] for n in names], color=["C0", "C1", "C2"][:len(names)])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput")
+    ax = axes[0][2]
+    loom = sysres.get("loom")
+    if loom and loom["kv_samples"]:
+        bs = loom["block_size"]
+        t = [s[0] for s in loom["kv_samples"]]
+        ax.plot(t, [s[2] * bs for s in loom["kv_samples"]], label="allocated (blocks x block size)")
+        ax.plot(t, [s[1] for s in loom["kv_samples"]], label="real tokens held")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("KV token slots")
+        ax.set_title("loom KV cache")
+        ax.legend()
+    fig.suptitle(f"{res['config']['num_prompts']} prompts x {res['config']['max_tokens']} tokens, "
+                 f"{res['config']['dtype']}, {res['machine']['cpu']} ({res['machine']['torch_threads']} threads)")
+    bc.save_figure(plt, fig, path)
+
+
+def finish_system(r: dict, max_tokens: int) -> dict:
+    n_tokens = sum(len(t) for t in r["tokens"])
+    r["num_tokens"] = n_tokens
+    r["tokens_per_s"] = n_tokens / r["wall_s"] if r["wall_s"] else float("nan")
+    r["latency"] = bc.summarize(r["latencies_s"])
+    short = [i for i, t in enumerate(r["tokens"]) if len(t) != max_tokens]
+    if short:
+        r["wrong_length_requests"] = short
+        bc.progress(f"  WARNING: {len(short)} requests did not produce exactly {max_tokens} tokens")
+    return r
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from backend.config import EngineConfig
+    from backend.llm import LLM
+
+    model_dir = args.model or bc.default_model_dir()
+    device = EngineConfig(model=model_dir, device=args.device).torch_device
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = bc.prompts(args.num_prompts)
+    prompt_ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    lens = [len(p) for p in prompt_ids]
+    bc.progress(f"{args.num_prompts} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.1f}) x "
+                f"{args.max_tokens} tokens, {args.dtype} on {device}, {torch.get_num_threads()} threads")
+    res = {"config": vars(args) | {"model_dir": model_dir, "prompt_lens": lens}, "machine": bc.machine_info(),
+           "prompts": texts, "systems": {}}
+
+    # loom first; freed before the peers so they get the memory
+    bc.progress("loom: loading")
+    llm = LLM(model_dir, **engine_kwargs(args))
+    # Warm-up prompts: the same lengths and batch shapes, other tokens (rotated), so that nothing of the timed
+    # prompts is in loom's prefix cache afterwards.
+    warm_ids = [p[1:] + p[:1] for p in prompt_ids]
+    if not args.no_warmup:
+        bc.progress("loom: warm-up (all prompts rotated, 2 tokens)")
+        run_loom(llm, warm_ids, 2, 1e9)
+    bc.progress("loom: running")
+    r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
+    r["kv"] = loom_kv_share(r)
+    res["systems"]["loom"] = r
+    kv_tokens = r["kv_tokens_capacity"]
+    bc.progress(f"loom: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, "
+                f"mean latency {r['latency']['mean']:.2f}s")
+    del llm
+    gc.collect()
+
+    model = None
+    if "hf-static" not in args.skip or "hf-cb" not in args.skip:
+        bc.progress("hf: loading")
+        model = load_hf_model(model_dir, dtype, device)
+    if "hf-static" not in args.skip:
+        try:
+            if not args.no_warmup:
+                bc.progress("hf-static: warm-up (one batch, 2 tokens)")
+                run_hf_static(model, warm_ids[:args.hf_batch_size], 2, args.hf_batch_size, pad_id, device, quiet=True)
+            bc.progress("hf-static: running")
+            r = finish_system(run_hf_static(model, prompt_ids, args.max_tokens, args.hf_batch_size, pad_id, device),
+                              args.max_tokens)
+            res["systems"]["hf-static"] = r
+            bc.progress(f"hf-static: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s")
+        except Exception as e:  # report and go on
+            bc.progress(f"hf-static FAILED: {type(e).__name__}: {e}")
+            res["systems"]["hf-static"] = {"error": f"{type(e).__name__}: {e}"}
+    if "hf-cb" not in args.skip:
+        try:
+            if not args.no_warmup:
+                bc.progress("hf-cb: warm-up (all prompts rotated, 2 tokens)")
+                run_hf_cb(model, warm_ids, 2, pad_id, kv_tokens, device, 1e9)
+            bc.progress("hf-cb: running generate_batch")
+            r = finish_system(run_hf_cb(model, prompt_ids, args.max_tokens, pad_id, kv_tokens, device,
+                                        args.progress_every), args.max_tokens)
+            res["systems"]["hf-cb"] = r
+            bc.progress(f"hf-cb: done in {r['wall_s']:.1f}s (+{r['setup_s']:.1f}s set-up), {r['tokens_per_s']:.1f} tok/s")
+        except Exception as e:  # e.g. not available in this transformers version
+            bc.progress(f"hf-cb FAILED: {type(e).__name__}: {e}")
+            res["systems"]["hf-cb"] = {"error": f"{type(e).__name__}: {e}"}
+
+    loom = res["systems"]["loom"]
+    for name in SYSTEMS[1:]:
+        r = res["systems"].get(name)
+        if r and "error" not in r:
+            ag = agreement(loom["tokens"], r["tokens"])
+            loom[f"agreement_vs_{name.replace('-', '_')}"] = ag
+            if name == "hf-cb" and "hf-static" in res["systems"] and "error" not in res["systems"]["hf-static"]:
+                r["agreement_vs_hf_static"] = agreement(r["tokens"], res["systems"]["hf-static"]["tokens"])
+
+    text = report(res, args)
+    print(text, flush=True)
+    res["report"] = text
+    out = bc.out_dir(args.out_dir)
+    name = f"bench_offline-{bc.stamp()}{'-' + args.tag if args.tag else ''}"
+    bc.save_json(res, out / f"{name}.json")
+    if not args.no_plot:
+        try:
+            plot(res, out / f"{name}.png")
+        except Exception as e:
+            bc.progress(f"plot failed: {type(e).__name__}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
