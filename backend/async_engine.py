@@ -168,10 +168,18 @@ class AsyncEngine:
         return fut
 
     def adapter_op(self, op: str, name: str | None = None, path: str | None = None) -> Future:
-        """load | reload | unload | list on engine.adapters. Loads read weights in the registry's own thread
-        (wait=False), so the loop keeps stepping; the Future completes when the load does."""
+        """load | reload | unload | list | info on engine.adapters. Loads read weights in the registry's own
+        thread (wait=False), so the loop keeps stepping; the Future completes when the load does. `info`: the
+        registry's counters (`refs` = unreleased request refs over all versions) and the engine's KV use."""
         def run(engine):
             adapters = getattr(engine, "adapters", None)
+            if op == "info":
+                st = engine.stats()
+                with self._cond:
+                    active = len(self._ids)
+                return {"adapters": adapters.info() if adapters is not None else None,
+                        "kv_blocks_used": st.kv_blocks_used, "kv_blocks_total": st.kv_blocks_total,
+                        "num_running": st.num_running, "num_waiting": st.num_waiting, "num_active": active}
             if adapters is None:
                 raise RequestError("adapter_op", "this engine has no LoRA adapter support")
             if op == "list":

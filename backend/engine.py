@@ -140,12 +140,13 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs, self._finished_outputs = self._finished_outputs, []
+        self.last_step_request_ids: list[str] = []  # the serving layer fails these if step() itself raises
         batch = self.scheduler.schedule()
+        self.last_step_request_ids = [s.request_id for s in batch.seqs]
         failed, self._lora_failed = self._lora_failed, []
         for seq in failed:
             self.abort_request(seq.request_id, reason="error", error=f"lora_name: {seq.lora.error}")
-        outputs, self._finished_outputs = outputs + self._finished_outputs, []
+        outputs, self._finished_outputs = self._finished_outputs, []
         if not batch.seqs:
             if self.adapters is not None and self.adapters.has_pending_loads():
                 self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin

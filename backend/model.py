@@ -9,9 +9,11 @@ The only module that imports triton_python_backend_utils.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import threading
+import time
 import traceback
 import uuid
 from dataclasses import dataclass
@@ -117,6 +119,8 @@ class TritonPythonModel:
 
         self.cfg, self.limits = cfg, cfg.limits
         self.engine = LLMEngine(cfg.engine)
+        # input_ids longer than the engine accepts are refused before they are converted to a list
+        self.limits.max_prompt_tokens = cfg.engine.max_prompt_tokens or max(1, self.engine.max_model_len - 1)
         # The loop thread decodes with engine.tokenizer; fast tokenizers are not safe to share across
         # threads, so execute() (encode) and the senders (logprob tokens) get their own copies.
         self.encoder = copy.deepcopy(self.engine.tokenizer)
@@ -154,7 +158,7 @@ class TritonPythonModel:
 
     def _enqueue(self, request, sender) -> None:
         params = request.parameters()
-        op = parse_adapter_op(params)
+        op = parse_adapter_op(params, self.limits.max_parameters_bytes)
         if op is not None:
             self._adapter_request(op, sender)
             return
@@ -259,11 +263,39 @@ class TritonPythonModel:
         return json.dumps(items)
 
     def finalize(self):
-        log.info("finalize: stopping the engine loop and the senders")
+        """Fail what is still in flight ("server: the model is shutting down"), stop the loop, the senders and
+        the metrics thread within shutdown_timeout_s, then drop the engine (weights, KV cache, adapter pools)."""
+        cfg = getattr(self, "cfg", None)
+        timeout = cfg.options.shutdown_timeout_s if cfg is not None else 10.0
+        log.info(f"finalize: stopping the engine loop and the senders (shutdown_timeout_s={timeout:g})")
+        deadline = time.monotonic() + timeout
         ae = getattr(self, "async_engine", None)
         if ae is not None:
-            ae.shutdown(timeout=10.0)
+            ae.shutdown(timeout=timeout)
         if getattr(self, "streamer", None) is not None:
-            self.streamer.close(timeout=5.0)
+            self.streamer.close(timeout=max(0.1, deadline - time.monotonic()))
         if getattr(self, "metrics", None) is not None:
-            self.metrics.close()
+            self.metrics.close(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        self._release_engine(ae)
+
+    def _release_engine(self, ae) -> None:
+        engine = getattr(self, "engine", None)
+        loop_alive = ae is not None and ae._thread.is_alive()
+        if loop_alive:  # a step outlived the timeout: the loop thread still holds the engine; leave it be
+            log.warning("finalize: the engine loop did not stop within shutdown_timeout_s; not waiting for it")
+        adapters = getattr(engine, "adapters", None)
+        if adapters is not None and not loop_alive:
+            try:
+                adapters.close()  # the background loader thread
+            except Exception:
+                log.error("closing the adapter registry failed:\n" + traceback.format_exc())
+        self.engine = self.async_engine = self.streamer = self.metrics = None
+        if not loop_alive:
+            del engine, adapters, ae
+            gc.collect()
+            try:
+                import torch
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except Exception:
+                pass

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from backend.outputs import RequestError
-from backend.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from backend.sampling_params import (MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams,
+                                     SamplingParamsError)
 
 # Our SamplingParams field -> converter kind. Names follow vllm's SamplingParams.
 _FIELD_KINDS: dict[str, str] = {
@@ -59,6 +60,10 @@ class Limits:
     max_logprobs: int = MAX_LOGPROBS
     max_prompt_chars: int = 1 << 20
     max_request_timeout_s: float = 0.0  # 0 = clients may ask for any deadline
+    max_stop_items: int = MAX_STOP_ITEMS  # entries in `stop`, and in `stop_token_ids`
+    max_stop_chars: int = MAX_STOP_STRING_CHARS  # characters per stop string
+    max_parameters_bytes: int = 1 << 16  # the sampling_parameters JSON, and the request parameters' JSON
+    max_prompt_tokens: int = 0  # input_ids length (0 = only the engine's check); set from the engine
 
 
 @dataclass
@@ -84,7 +89,7 @@ class AdapterOp:
     path: str | None
 
 
-ADAPTER_OPS = ("load", "unload", "reload", "list")
+ADAPTER_OPS = ("load", "unload", "reload", "list", "info")
 
 
 # ---------------------------------------------------------------- value conversion
@@ -178,7 +183,7 @@ _CONVERT = {"int": to_int, "float": to_float, "bool": to_bool, "str_list": to_st
 
 # ---------------------------------------------------------------- parameters
 
-def load_parameters(sampling_parameters: Any, request_parameters: Any) -> dict[str, Any]:
+def load_parameters(sampling_parameters: Any, request_parameters: Any, max_bytes: int = 0) -> dict[str, Any]:
     """Merge the `sampling_parameters` JSON tensor with Triton request parameters.
 
     Either may be absent; the same key in both with different values is refused (which one would win
@@ -186,8 +191,9 @@ def load_parameters(sampling_parameters: Any, request_parameters: Any) -> dict[s
     """
     merged: dict[str, Any] = {}
     if sampling_parameters is not None:
-        merged = _json_object("sampling_parameters", sampling_parameters)
-    extra = _json_object("parameters", request_parameters) if request_parameters not in (None, "", b"") else {}
+        merged = _json_object("sampling_parameters", sampling_parameters, max_bytes)
+    extra = (_json_object("parameters", request_parameters, max_bytes)
+             if request_parameters not in (None, "", b"") else {})
     for k, v in extra.items():
         if k in _RESERVED_PARAMS or k.startswith("triton_") or k in ("adapter_op", "lora_path"):
             continue
@@ -197,9 +203,13 @@ def load_parameters(sampling_parameters: Any, request_parameters: Any) -> dict[s
     return merged
 
 
-def _json_object(name: str, raw: Any) -> dict[str, Any]:
+def _json_object(name: str, raw: Any, max_bytes: int = 0) -> dict[str, Any]:
     if isinstance(raw, Mapping):
         return dict(raw)
+    if max_bytes and isinstance(raw, (str, bytes)) and len(raw) > max_bytes:
+        # len(str) <= its UTF-8 size: checked before decoding/parsing, so a huge JSON costs nothing
+        unit = "bytes" if isinstance(raw, bytes) else "characters"
+        raise RequestError(name, f"is {len(raw)} {unit} of JSON; the limit is {max_bytes} (max_parameters_bytes)")
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
@@ -247,6 +257,16 @@ def build_sampling_params(raw: dict[str, Any], limits: Limits) -> tuple[Sampling
             kwargs[key] = _CONVERT[_FIELD_KINDS[key]](key, value)
         else:
             raise RequestError(key, f"unknown sampling parameter; allowed: {', '.join(allowed)}")
+    for key in ("stop", "stop_token_ids"):
+        if len(kwargs.get(key, ())) > limits.max_stop_items:
+            raise RequestError(key, f"has {len(kwargs[key])} entries; at most {limits.max_stop_items} are allowed "
+                               f"(max_stop_items)")
+    for item in kwargs.get("stop", ()):
+        if len(item) > limits.max_stop_chars:
+            raise RequestError("stop", f"a stop string has {len(item)} characters; at most {limits.max_stop_chars} "
+                               f"are allowed (max_stop_chars)")
+    if limits.max_tokens and "max_tokens" not in kwargs and limits.max_tokens < SamplingParams.max_tokens:
+        kwargs["max_tokens"] = limits.max_tokens  # the default (16) is above this server's cap: use the cap
     if limits.max_tokens and kwargs.get("max_tokens", 16) > limits.max_tokens:
         raise RequestError("max_tokens", f"must be an integer in [1, {limits.max_tokens}] on this server, "
                            f"got {kwargs['max_tokens']!r}")
@@ -286,6 +306,8 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
     if ids_arr is not None:
         if getattr(ids_arr, "dtype", None) is None or ids_arr.dtype.kind not in "iu":
             raise RequestError("input_ids", "must be an integer tensor (INT32 or INT64)")
+        if limits.max_prompt_tokens and ids_arr.size > limits.max_prompt_tokens:
+            raise RequestError("input_ids", f"has {ids_arr.size} tokens; the limit is {limits.max_prompt_tokens}")
         prompt_ids = [int(x) for x in ids_arr.reshape(-1)]
         if not prompt_ids:
             raise RequestError("input_ids", "must hold at least one token id")
@@ -317,25 +339,25 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
 
     sp = inputs.get("sampling_parameters")
     sp_raw = None if sp is None else _scalar("sampling_parameters", sp)
-    merged = load_parameters(sp_raw, request_parameters)
+    merged = load_parameters(sp_raw, request_parameters, limits.max_parameters_bytes)
     params, lora_name, timeout = build_sampling_params(merged, limits)
 
     returns = ReturnFlags(**{f: bool(_optional_bool(inputs, "return_" + f)) for f in ReturnFlags.__dataclass_fields__})
     return ParsedRequest(prompt, prompt_ids, stream, exclude_input, params, lora_name, timeout, returns)
 
 
-def parse_adapter_op(request_parameters: Any) -> AdapterOp | None:
+def parse_adapter_op(request_parameters: Any, max_bytes: int = 0) -> AdapterOp | None:
     """An adapter management request (`adapter_op` request parameter), or None for a generation request."""
     if request_parameters in (None, "", b""):
         return None
-    params = _json_object("parameters", request_parameters)
+    params = _json_object("parameters", request_parameters, max_bytes)
     op = params.get("adapter_op")
     if op is None:
         return None
     if op not in ADAPTER_OPS:
         raise RequestError("adapter_op", f"must be one of {', '.join(ADAPTER_OPS)}, got {op!r}")
     name, path = params.get("lora_name"), params.get("lora_path")
-    if op != "list" and (not isinstance(name, str) or not name.strip()):
+    if op not in ("list", "info") and (not isinstance(name, str) or not name.strip()):
         raise RequestError("lora_name", f"is required for adapter_op {op!r}")
     if path is not None and (not isinstance(path, str) or not path):
         raise RequestError("lora_path", "must be a directory path")

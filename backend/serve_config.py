@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from backend.config import ConfigError, EngineConfig
 from backend.outputs import RequestError
 from backend.request_parser import Limits, to_bool, to_float, to_int
+from backend.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
 
 
 @dataclass
@@ -22,6 +23,10 @@ class ServeOptions:
     max_tokens_limit: int = 0  # cap on max_tokens (0 = only the context length)
     max_logprobs: int = 20
     max_prompt_chars: int = 1 << 20
+    max_stop_items: int = MAX_STOP_ITEMS  # entries in `stop` and in `stop_token_ids` (at most 16)
+    max_stop_chars: int = MAX_STOP_STRING_CHARS  # characters per stop string (at most 256)
+    max_parameters_bytes: int = 1 << 16  # size of the sampling_parameters JSON and of the request parameters
+    shutdown_timeout_s: float = 10.0  # finalize(): how long to wait for the engine loop and the senders
     sender_threads: int = 1
     metrics: bool = True  # loom_* metric families on Triton's metrics port
 
@@ -34,7 +39,8 @@ class ServeConfig:
     @property
     def limits(self) -> Limits:
         o = self.options
-        return Limits(o.max_tokens_limit, o.max_logprobs, o.max_prompt_chars, o.max_request_timeout_s)
+        return Limits(o.max_tokens_limit, o.max_logprobs, o.max_prompt_chars, o.max_request_timeout_s,
+                      o.max_stop_items, o.max_stop_chars, o.max_parameters_bytes)
 
 
 _ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
@@ -102,6 +108,13 @@ def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
                      ("max_tokens_limit", 0)):
         if getattr(opts, name) < lo:
             raise ConfigError(name, f"must be >= {lo}, got {getattr(opts, name)}")
+    # SamplingParams enforces hard caps itself: a larger configured value would be silently ineffective.
+    for name, lo, hi in (("max_logprobs", 0, MAX_LOGPROBS), ("max_stop_items", 0, MAX_STOP_ITEMS),
+                         ("max_stop_chars", 1, MAX_STOP_STRING_CHARS), ("max_parameters_bytes", 256, 1 << 24)):
+        if not lo <= getattr(opts, name) <= hi:
+            raise ConfigError(name, f"must be in [{lo}, {hi}], got {getattr(opts, name)}")
+    if opts.shutdown_timeout_s <= 0:
+        raise ConfigError("shutdown_timeout_s", f"must be > 0 seconds, got {opts.shutdown_timeout_s}")
     for name in ("default_request_timeout_s", "max_request_timeout_s"):
         if getattr(opts, name) < 0:
             raise ConfigError(name, f"must be >= 0 seconds, got {getattr(opts, name)}")

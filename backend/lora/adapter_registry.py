@@ -301,6 +301,8 @@ class AdapterRegistry:
                 "resident": sum(1 for v in self._versions if v.row_start >= 0),
                 "host": sum(1 for v in self._versions if v.host is not None and v.row_start < 0),
                 "versions": len(self._versions),
+                "refs": sum(v.refcount for v in self._versions),  # unreleased request refs, stale versions included
+                "active": sum(v.active for v in self._versions),
                 "evictions": self.num_evictions,
                 "compactions": self.num_compactions,
                 "disk_loads": self.num_disk_loads,
