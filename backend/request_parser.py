@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from backend.outputs import RequestError
-from backend.sampling_params import (MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams,
-                                     SamplingParamsError)
+from backend.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams
 
 # Our SamplingParams field -> converter kind. Names follow vllm's SamplingParams.
 _FIELD_KINDS: dict[str, str] = {
@@ -270,11 +269,8 @@ def build_sampling_params(raw: dict[str, Any], limits: Limits) -> tuple[Sampling
     if limits.max_tokens and kwargs.get("max_tokens", 16) > limits.max_tokens:
         raise RequestError("max_tokens", f"must be an integer in [1, {limits.max_tokens}] on this server, "
                            f"got {kwargs['max_tokens']!r}")
-    try:
-        params = SamplingParams(**kwargs)
-        params.validate(max_logprobs=limits.max_logprobs)
-    except SamplingParamsError as e:
-        raise RequestError(e.field, str(e).split(": ", 1)[1]) from None
+    params = SamplingParams(**kwargs)  # SamplingParamsError is a RequestError naming the field
+    params.validate(max_logprobs=limits.max_logprobs)
     return params, lora_name, timeout
 
 

@@ -3,18 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from backend.outputs import RequestError
+
 # Bounds a production server wants to enforce; the Triton glue may tighten them from config.pbtxt.
 MAX_LOGPROBS = 20
 MAX_STOP_ITEMS = 16
 MAX_STOP_STRING_CHARS = 256
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(RequestError):
     """A sampling parameter is invalid; the message names the field and what is allowed."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
 
 
 @dataclass
