@@ -180,11 +180,53 @@ def _groups(meta):
             yield seg[g], seg[g + 1], rows[g], ranks[g], scal[g]
 
 
+# With many small adapter groups (decode: one token per request, each on its own adapter) a Python loop
+# over groups costs ~10 tiny ops per group per module; gathering each token's rank rows instead does the
+# whole batch in a few batched matmuls. Measured on CPU (default model, 32 requests on 32 adapters): the
+# loop made decode steps ~3x slower than without LoRA.
+_GATHER_MIN_GROUPS = 4
+
+
+def _token_rows(meta):
+    """Per LoRA token: its rank rows [T, max_rank] (clamped), which of them are real, and its scaling."""
+    dev = meta.token_indices.device
+    seg = meta.seg_starts.long()
+    group = torch.repeat_interleave(torch.arange(seg.numel() - 1, device=dev), seg[1:] - seg[:-1],
+                                    output_size=meta.token_indices.numel())
+    r = torch.arange(meta.max_rank, device=dev)
+    valid = r[None, :] < meta.ranks.long()[group][:, None]
+    rows = torch.where(valid, meta.row_start.long()[group][:, None] + r[None, :], 0)
+    return rows, valid, meta.scalings.float()[group]
+
+
+def _shrink_gathered(x, lora_a, meta, out):
+    rows, valid, _ = _token_rows(meta)
+    a = lora_a[:, rows]  # [S, T, r, in]
+    xs = x[meta.token_indices].to(a.dtype)  # [T, in]
+    res = torch.matmul(a, xs[None, :, :, None])[..., 0].float()  # [S, T, r]
+    out.copy_(res.masked_fill_(~valid[None], 0))
+    return out
+
+
+def _expand_gathered(buf, lora_b, offs, meta, y):
+    rows, valid, scaling = _token_rows(meta)
+    b = lora_b[rows]  # [T, r, sum_out]
+    coef = buf[:, :, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]  # [S, T, r]
+    delta = torch.empty((b.shape[0], offs[-1]), dtype=torch.float32, device=y.device)
+    for s in range(len(offs) - 1):  # a loop over output slices (q/k/v), not over tokens or adapters
+        c0, c1 = offs[s], offs[s + 1]
+        delta[:, c0:c1] = torch.matmul(coef[s].to(b.dtype)[:, None, :], b[:, :, c0:c1])[:, 0].float()
+    y.index_add_(0, meta.token_indices, delta.to(y.dtype))
+    return y
+
+
 def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
     S = lora_a.shape[0]
     T_lora = meta.token_indices.shape[0]
     if out is None:
         out = torch.zeros((S, T_lora, meta.max_rank), dtype=torch.float32, device=x.device)
+    if meta.num_groups >= _GATHER_MIN_GROUPS:
+        return _shrink_gathered(x, lora_a, meta, out)
     for a, b, row, rank, _ in _groups(meta):
         xs = x[meta.token_indices[a:b]]  # [n, in]
         out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].transpose(1, 2)).float()  # [S, n, r]
@@ -193,6 +235,8 @@ def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
 
 def lora_expand_ref(buf, lora_b, slice_offsets, meta, y):
     offs = [int(o) for o in slice_offsets]
+    if meta.num_groups >= _GATHER_MIN_GROUPS:
+        return _expand_gathered(buf, lora_b, offs, meta, y)
     for a, b, row, rank, scaling in _groups(meta):
         idx = meta.token_indices[a:b]
         w = lora_b[row:row + rank]  # [r, sum_out]
