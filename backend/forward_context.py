@@ -31,6 +31,9 @@ class LoraBatchMeta:
     row_start_cpu: list[int] | None = None
     ranks_cpu: list[int] | None = None
     scalings_cpu: list[float] | None = None
+    # Module groups (qkv_proj, o_proj, gate_up_proj, down_proj) that some adapter of the step targets;
+    # the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
+    module_groups: frozenset[str] | None = None
 
     @property
     def num_groups(self) -> int:

@@ -26,6 +26,7 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
+        self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
 
     def load_slice(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         lo, hi = self.slice_offsets[index], self.slice_offsets[index + 1]
@@ -41,7 +42,8 @@ class LoRALinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self.lora_a is not None:
             meta = get_forward_context().lora
-            if meta is not None and meta.token_indices.numel() > 0:
+            if meta is not None and meta.token_indices.numel() > 0 and \
+                    (meta.module_groups is None or self.lora_group in meta.module_groups):
                 buf = lora_shrink(x, self.lora_a, meta)
                 lora_expand(buf, self.lora_b, self.slice_offsets, meta, y)
         return y

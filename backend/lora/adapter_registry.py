@@ -36,6 +36,8 @@ from .peft_loader import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     AdapterConfigInfo,
+    GROUP_LAYOUT,
+    PROJ_TO_GROUP,
     AdapterLoadError,
     AdapterWeights,
     LoraModelSpec,
@@ -551,6 +553,7 @@ def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int]
         raise ValueError(f"{len(refs)} refs but {len(num_tokens)} token counts")
     group_of: dict[int, int] = {}
     seq_group = [-1] * len(refs)
+    targeted: set[str] = set()
     row_start: list[int] = []
     ranks: list[int] = []
     scalings: list[float] = []
@@ -566,6 +569,7 @@ def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int]
             row_start.append(v.row_start)
             ranks.append(v.rank)
             scalings.append(float(v.scaling))
+            targeted.update(GROUP_LAYOUT[PROJ_TO_GROUP[p][0]][0] for p in v.targets)
         seq_group[i] = g
     if not row_start:
         return None
@@ -598,4 +602,5 @@ def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int]
         row_start_cpu=row_start,
         ranks_cpu=ranks,
         scalings_cpu=scalings,
+        module_groups=frozenset(targeted) if targeted else None,
     )

@@ -108,6 +108,7 @@ class LoraPool:
         for (layer, group), mod in LoraModelSpec.find_modules(model).items():
             mod.lora_a = self.a[group][layer]
             mod.lora_b = self.b[group][layer]
+            mod.lora_group = group
 
     def write(self, row_start: int, w: AdapterWeights) -> None:
         """Copy an adapter's host weights into rows [row_start, row_start + w.rank) of every pool."""
