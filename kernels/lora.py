@@ -181,41 +181,50 @@ def _groups(meta):
 
 
 # With many small adapter groups (decode: one token per request, each on its own adapter) a Python loop
-# over groups costs ~10 tiny ops per group per module; gathering each token's rank rows instead does the
-# whole batch in a few batched matmuls. Measured on CPU (default model, 32 requests on 32 adapters): the
-# loop made decode steps ~3x slower than without LoRA.
-_GATHER_MIN_GROUPS = 4
+# over groups costs ~10 tiny ops per group per module. Instead, multiply the step's LoRA tokens by every
+# rank row in the span the step's adapters occupy (one dense GEMM) and keep each token's own rows. The
+# extra FLOPs grow with tokens x span, so this path is taken only while that product is small.
+_DENSE_MAX_TOKEN_ROWS = 32768
 
 
-def _token_rows(meta):
-    """Per LoRA token: its rank rows [T, max_rank] (clamped), which of them are real, and its scaling."""
+def _dense_span(meta):
+    """(lo, hi, rows [T, r] relative to lo, valid [T, r], scaling [T]) or None when the loop is cheaper."""
+    if meta.num_groups < 2:
+        return None
+    rs = meta.row_start_cpu if meta.row_start_cpu is not None else meta.row_start.tolist()
+    rk = meta.ranks_cpu if meta.ranks_cpu is not None else meta.ranks.tolist()
+    lo, hi = min(rs), max(r + k for r, k in zip(rs, rk))
+    if meta.token_indices.numel() * (hi - lo) > _DENSE_MAX_TOKEN_ROWS:
+        return None
     dev = meta.token_indices.device
     seg = meta.seg_starts.long()
     group = torch.repeat_interleave(torch.arange(seg.numel() - 1, device=dev), seg[1:] - seg[:-1],
                                     output_size=meta.token_indices.numel())
     r = torch.arange(meta.max_rank, device=dev)
     valid = r[None, :] < meta.ranks.long()[group][:, None]
-    rows = torch.where(valid, meta.row_start.long()[group][:, None] + r[None, :], 0)
-    return rows, valid, meta.scalings.float()[group]
+    rows = torch.where(valid, meta.row_start.long()[group][:, None] - lo + r[None, :], 0)
+    return lo, hi, rows, valid, meta.scalings.float()[group]
 
 
-def _shrink_gathered(x, lora_a, meta, out):
-    rows, valid, _ = _token_rows(meta)
-    a = lora_a[:, rows]  # [S, T, r, in]
-    xs = x[meta.token_indices].to(a.dtype)  # [T, in]
-    res = torch.matmul(a, xs[None, :, :, None])[..., 0].float()  # [S, T, r]
-    out.copy_(res.masked_fill_(~valid[None], 0))
+def _shrink_dense(x, lora_a, meta, out, span):
+    lo, hi, rows, valid, _ = span
+    xs = x[meta.token_indices].to(lora_a.dtype)  # [T, in]
+    full = torch.matmul(xs, lora_a[:, lo:hi].transpose(1, 2)).float()  # [S, T, span]
+    own = torch.gather(full, 2, rows[None].expand(full.shape[0], -1, -1))  # [S, T, r]
+    out.copy_(own.masked_fill_(~valid[None], 0))
     return out
 
 
-def _expand_gathered(buf, lora_b, offs, meta, y):
-    rows, valid, scaling = _token_rows(meta)
-    b = lora_b[rows]  # [T, r, sum_out]
-    coef = buf[:, :, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]  # [S, T, r]
-    delta = torch.empty((b.shape[0], offs[-1]), dtype=torch.float32, device=y.device)
-    for s in range(len(offs) - 1):  # a loop over output slices (q/k/v), not over tokens or adapters
-        c0, c1 = offs[s], offs[s + 1]
-        delta[:, c0:c1] = torch.matmul(coef[s].to(b.dtype)[:, None, :], b[:, :, c0:c1])[:, 0].float()
+def _expand_dense(buf, lora_b, offs, meta, y, span):
+    lo, hi, rows, valid, scaling = span
+    S, T = len(offs) - 1, rows.shape[0]
+    coef = buf[:S, :, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]
+    dense = torch.zeros((S, T, hi - lo), dtype=torch.float32, device=y.device)
+    dense.scatter_add_(2, rows[None].expand(S, -1, -1), coef)  # invalid slots add 0 at row 0
+    b = lora_b[lo:hi]
+    delta = torch.empty((T, offs[-1]), dtype=torch.float32, device=y.device)
+    for s in range(S):  # a loop over output slices (q/k/v), not over tokens or adapters
+        delta[:, offs[s]:offs[s + 1]] = (dense[s].to(b.dtype) @ b[:, offs[s]:offs[s + 1]]).float()
     y.index_add_(0, meta.token_indices, delta.to(y.dtype))
     return y
 
@@ -225,8 +234,9 @@ def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
     T_lora = meta.token_indices.shape[0]
     if out is None:
         out = torch.zeros((S, T_lora, meta.max_rank), dtype=torch.float32, device=x.device)
-    if meta.num_groups >= _GATHER_MIN_GROUPS:
-        return _shrink_gathered(x, lora_a, meta, out)
+    span = _dense_span(meta)
+    if span is not None:
+        return _shrink_dense(x, lora_a, meta, out, span)
     for a, b, row, rank, _ in _groups(meta):
         xs = x[meta.token_indices[a:b]]  # [n, in]
         out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].transpose(1, 2)).float()  # [S, n, r]
@@ -235,13 +245,15 @@ def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
 
 def lora_expand_ref(buf, lora_b, slice_offsets, meta, y):
     offs = [int(o) for o in slice_offsets]
-    if meta.num_groups >= _GATHER_MIN_GROUPS:
-        return _expand_gathered(buf, lora_b, offs, meta, y)
+    span = _dense_span(meta)
+    if span is not None:
+        return _expand_dense(buf, lora_b, offs, meta, y, span)
     for a, b, row, rank, scaling in _groups(meta):
-        idx = meta.token_indices[a:b]
         w = lora_b[row:row + rank]  # [r, sum_out]
+        delta = torch.empty((b - a, offs[-1]), dtype=w.dtype, device=y.device)
         for s in range(len(offs) - 1):
             c0, c1 = offs[s], offs[s + 1]
-            delta = buf[s, a:b, :rank].to(w.dtype) @ w[:, c0:c1]
-            y[idx, c0:c1] = (y[idx, c0:c1].float() + scaling * delta.float()).to(y.dtype)
+            delta[:, c0:c1] = buf[s, a:b, :rank].to(w.dtype) @ w[:, c0:c1]
+        # one scatter-add per group (not a gather + scatter per slice)
+        y.index_add_(0, meta.token_indices[a:b], delta.to(y.dtype), alpha=scaling)
     return y

@@ -49,9 +49,9 @@ def test_decode_ref_vs_naive():
     assert kcases.rel_err(out[keep], want) < 1e-6
 
 
-@pytest.mark.parametrize("path", ["group-loop", "token-gather"])
+@pytest.mark.parametrize("path", ["group-loop", "dense-span"])
 def test_lora_refs_vs_naive(path, monkeypatch):
-    monkeypatch.setattr(lora, "_GATHER_MIN_GROUPS", 10**9 if path == "group-loop" else 1)
+    monkeypatch.setattr(lora, "_DENSE_MAX_TOKEN_ROWS", 0 if path == "group-loop" else 10**9)
     torch.manual_seed(0)
     meta, R, owner = kcases.make_lora_meta(30, [1, 8, 16, 64], "cpu")
     offs = [0, 24, 32, 40]
