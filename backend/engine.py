@@ -75,10 +75,13 @@ class LLMEngine:
     def _can_run(self, seq: Sequence) -> bool:
         if seq.lora is None:
             return True
-        if seq.lora.error is not None:  # its adapter failed to load: fail it after scheduling
-            self._lora_failed.append(seq)
-            return False
-        return self.adapters.activate(seq.lora)
+        try:
+            if seq.lora.error is None:
+                return self.adapters.activate(seq.lora)
+        except RequestError:  # the background load failed between the check and activate()
+            pass
+        self._lora_failed.append(seq)  # its adapter failed to load: fail it after scheduling
+        return False
 
     def _on_preempt(self, seq: Sequence) -> None:
         if seq.lora is not None:

@@ -71,14 +71,16 @@ def _tensor(name: str, value, dtype: str):
     return t
 
 
-def make_inputs(prompt=None, params: dict | None = None, stream: bool = True, sp_raw: str | None = None,
-                input_ids=None, **flags) -> list:
+def make_inputs(prompt=None, params: dict | None = None, stream: bool | None = True, input_ids=None,
+                sp_raw: str | None = None, **flags) -> list:
+    """vllm_backend-style input tensors (shared with the e2e tests); stream=None omits the tensor."""
     ins = []
     if prompt is not None:
-        ins.append(_tensor("text_input", [prompt.encode()], "BYTES"))
+        ins.append(_tensor("text_input", [prompt.encode() if isinstance(prompt, str) else prompt], "BYTES"))
     if input_ids is not None:
         ins.append(_tensor("input_ids", list(input_ids), "INT32"))
-    ins.append(_tensor("stream", [stream], "BOOL"))
+    if stream is not None:
+        ins.append(_tensor("stream", [stream], "BOOL"))
     if params is not None or sp_raw is not None:
         raw = sp_raw if sp_raw is not None else json.dumps(params)
         ins.append(_tensor("sampling_parameters", [raw.encode()], "BYTES"))

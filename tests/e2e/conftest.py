@@ -106,31 +106,7 @@ def offline(model_dir, adapter_root):
 
 # ------------------------------------------------------------------ client helpers
 
-def tensor(name: str, value, dtype: str):
-    arr = np.array(value, dtype=np.object_ if dtype == "BYTES" else None)
-    if dtype == "BOOL":
-        arr = arr.astype(bool)
-    if dtype == "INT32":
-        arr = arr.astype(np.int32)
-    t = grpcclient.InferInput(name, list(arr.shape), dtype)
-    t.set_data_from_numpy(arr)
-    return t
-
-
-def make_inputs(prompt=None, params: dict | None = None, stream=True, input_ids=None, sp_raw: str | None = None, **flags):
-    ins = []
-    if prompt is not None:
-        ins.append(tensor("text_input", [prompt.encode() if isinstance(prompt, str) else prompt], "BYTES"))
-    if input_ids is not None:
-        ins.append(tensor("input_ids", list(input_ids), "INT32"))
-    if stream is not None:
-        ins.append(tensor("stream", [stream], "BOOL"))
-    if params is not None or sp_raw is not None:
-        raw = sp_raw if sp_raw is not None else json.dumps(params)
-        ins.append(tensor("sampling_parameters", [raw.encode()], "BYTES"))
-    for k, v in flags.items():
-        ins.append(tensor(k, [v], "BOOL"))
-    return ins
+from soak import _tensor as tensor, make_inputs  # noqa: E402,F401  (one request builder for tests and soak)
 
 
 class Stream:
