@@ -1,6 +1,6 @@
 """The offline API on the default model: texts plus the engine's counters (prefix-cache hits, preemptions).
 
-    python scripts/demo_offline.py [--kv-blocks 8]
+    python scripts/demo_offline.py [--kv-blocks 6]
 
 The first question runs alone, so the system prompt's blocks enter the prefix cache; the other five then
 run at once and find them there. A deliberately small KV cache (in blocks) makes the scheduler preempt and
@@ -18,7 +18,7 @@ from backend.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kv-blocks", type=int, default=8, help="KV cache size in blocks of 16 tokens (small: forces preemption)")
+    ap.add_argument("--kv-blocks", type=int, default=6, help="KV cache size in blocks of 16 tokens (small: forces preemption)")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
 
