@@ -209,3 +209,17 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, prompts: list[list[int]
             ids = torch.cat([ids, torch.tensor([[t]])], 1)
         out.append((toks, lps, torch.stack(rows)))
     return out
+
+
+# The mixed set of adapters both PEFT-parity tests use: ranks 1-16, different targets and options.
+ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
+    ("a1", 1, 2, ["q_proj"], {}),
+    ("a2", 2, 4, ["k_proj", "v_proj"], {}),
+    ("a3", 4, 8, ["o_proj"], {"use_rslora": True}),
+    ("a4", 8, 8, ["gate_proj", "up_proj"], {}),
+    ("a5", 16, 32, ["down_proj"], {}),
+    ("a6", 3, 5, "all-linear", {}),
+    ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
+    ("a8", 5, 7, ["up_proj", "k_proj"], {"layers_to_transform": [1]}),
+    ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
+]

@@ -20,23 +20,12 @@ except Exception as e:  # noqa: BLE001
 import backend.lora.adapter_registry as registry_mod
 from backend.lora import LoraModelSpec
 from backend.outputs import RequestError
-from lora_helpers import make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
+from lora_helpers import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
 
 CFG = tiny_llama_config()
 ROW = LoraModelSpec.from_hf_config(CFG).bytes_per_row(torch.float32)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
-ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
-    ("a1", 1, 2, ["q_proj"], {}),
-    ("a2", 2, 4, ["k_proj", "v_proj"], {}),
-    ("a3", 4, 8, ["o_proj"], {"use_rslora": True}),
-    ("a4", 8, 8, ["gate_proj", "up_proj"], {}),
-    ("a5", 16, 32, ["down_proj"], {}),
-    ("a6", 3, 5, "all-linear", {}),
-    ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
-    ("a8", 5, 7, ["up_proj", "k_proj"], {"layers_to_transform": [1]}),
-    ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
-]
 
 
 @pytest.fixture(scope="module")
