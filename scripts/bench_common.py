@@ -260,3 +260,15 @@ def save_figure(plt, fig, path: Path) -> Path:
     plt.close(fig)
     progress(f"plot -> {path}")
     return path
+
+
+def save_results(data: dict, prefix: str, args, plot) -> None:
+    """results/<prefix>-<stamp>[-tag].json and, unless --no-plot, the .png drawn by plot(data, path)."""
+    out = out_dir(args.out_dir)
+    name = f"{prefix}-{stamp()}{'-' + args.tag if args.tag else ''}"
+    save_json(data, out / f"{name}.json")
+    if not args.no_plot:
+        try:
+            plot(data, out / f"{name}.png")
+        except Exception as e:  # a plot must never cost the measured numbers
+            progress(f"plot failed: {type(e).__name__}: {e}")

@@ -439,14 +439,7 @@ def main(argv=None) -> int:
     text = report(res, args)
     print(text, flush=True)
     res["report"] = text
-    out = bc.out_dir(args.out_dir)
-    name = f"bench_offline-{bc.stamp()}{'-' + args.tag if args.tag else ''}"
-    bc.save_json(res, out / f"{name}.json")
-    if not args.no_plot:
-        try:
-            plot(res, out / f"{name}.png")
-        except Exception as e:
-            bc.progress(f"plot failed: {type(e).__name__}: {e}")
+    bc.save_results(res, "bench_offline", args, plot)
     return 0
 
 

@@ -707,14 +707,7 @@ def main(argv=None) -> int:
     text = "\n\n".join(report)
     print(text, flush=True)
     data["report"] = text
-    out = bc.out_dir(args.out_dir)
-    name = f"bench_serving-{args.mode}-{bc.stamp()}{'-' + args.tag if args.tag else ''}"
-    bc.save_json(data, out / f"{name}.json")
-    if not args.no_plot:
-        try:
-            plot(data, out / f"{name}.png")
-        except Exception as e:
-            bc.progress(f"plot failed: {type(e).__name__}: {e}")
+    bc.save_results(data, f"bench_serving-{args.mode}", args, plot)
     return 0
 
 

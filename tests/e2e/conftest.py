@@ -9,7 +9,6 @@ import re
 import shutil
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +105,7 @@ def offline(model_dir, adapter_root):
 
 # ------------------------------------------------------------------ client helpers
 
-from soak import _tensor as tensor, make_inputs  # noqa: E402,F401  (one request builder for tests and soak)
+from soak import _metric as metric, _scrape, _tensor as tensor, make_inputs  # noqa: E402,F401  (shared with the soak)
 
 
 class Stream:
@@ -167,21 +166,7 @@ def text_of(results) -> str:
 
 def scrape(server) -> dict[str, float]:
     """`name{labels}` -> value for the loom_* series."""
-    out = {}
-    for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith("loom_"):
-            key, _, val = line.rpartition(" ")
-            out[key] = float(val)
-    return out
-
-
-def metric(snap: dict[str, float], name: str, **labels) -> float:
-    total = 0.0
-    for key, v in snap.items():
-        base, _, lab = key.partition("{")
-        if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
-            total += v
-    return total
+    return _scrape(server.metrics_url)
 
 
 def wait_for(cond, timeout=20.0, interval=0.1):
