@@ -88,11 +88,14 @@ class BlockManager:
                 block.key, block.entry_id = key, self._next_entry_id
                 self._next_entry_id += 1
                 self.cached[key] = block_id
-                parent = block.entry_id
-            else:
-                # Same content computed twice (two requests prefilling one prefix at once): chain via the
-                # registered copy; this sequence keeps its own block, which is simply never registered.
-                parent = self.blocks[existing].entry_id
+            elif existing != block_id:
+                # Same content computed twice (two requests prefilling one prefix in one step): the sequence
+                # adopts the registered copy and drops its own, so every hashed block of a table is a
+                # registered one and the next block's parent can be read from the table.
+                self._ref(existing)
+                seq.block_table[i] = existing
+                self._unref(block_id)
+            parent = self.blocks[seq.block_table[i]].entry_id
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -121,25 +124,18 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.key is None:  # nothing worth keeping: reuse first
+                self.free.move_to_end(block_id, last=False)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.key is None:  # nothing worth keeping: reuse first
-                    self.free.move_to_end(block_id, last=False)
+            self._unref(block_id)
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-
-    def reset_prefix_cache_for(self, adapter_key: int) -> None:
-        """Forget cached blocks computed with an adapter version (cache keys already differ per version;
-        this just frees the memory sooner)."""
-        for key in [k for k in self.cached if k[1] == adapter_key]:
-            block_id = self.cached.pop(key)
-            block = self.blocks[block_id]
-            block.key, block.entry_id = None, 0
-            if block.ref_count == 0:
-                self.free.move_to_end(block_id, last=False)

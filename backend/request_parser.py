@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import numpy as np
 
 from backend.outputs import RequestError
 from backend.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams
@@ -145,9 +148,43 @@ def to_float(name: str, v: Any) -> float:
     return f
 
 
-def _maybe_json_list(v: Any) -> Any:
+MAX_JSON_DEPTH = 32  # nesting deeper than any parameter needs; bounded before parsing (json recurses per level)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def _json_depth(text: str) -> int:
+    """Deepest [ / { nesting outside string literals, in one linear pass (no recursion)."""
+    if "[" not in text and "{" not in text:
+        return 0
+    b = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    steps = np.isin(b, _OPENERS).astype(np.int32) - np.isin(b, _CLOSERS)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
+
+
+def _check_depth(name: str, text: str) -> None:
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(name, f"JSON is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+
+
+def parse_json(name: str, text: str) -> Any:
+    """json.loads with the nesting bounded first; every failure is a RequestError naming `name`."""
+    _check_depth(name, text)
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise RequestError(name, f"is not valid JSON ({e.msg} at position {e.pos}); expected an object such as "
+                           '{"max_tokens": 32, "temperature": 0}') from None
+
+
+def _maybe_json_list(name: str, v: Any) -> Any:
     # Triton request parameters carry only scalars, so lists arrive as JSON text.
     if isinstance(v, str) and v.strip().startswith("["):
+        _check_depth(name, v)
         try:
             parsed = json.loads(v)
         except ValueError:
@@ -158,7 +195,7 @@ def _maybe_json_list(v: Any) -> Any:
 
 
 def to_str_list(name: str, v: Any) -> list[str]:
-    v = _maybe_json_list(v)
+    v = _maybe_json_list(name, v)
     if isinstance(v, str):
         return [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
@@ -167,7 +204,7 @@ def to_str_list(name: str, v: Any) -> list[str]:
 
 
 def to_int_list(name: str, v: Any) -> list[int]:
-    v = _maybe_json_list(v)
+    v = _maybe_json_list(name, v)
     if isinstance(v, str):
         v = [p for p in v.split(",") if p.strip()]
     if isinstance(v, (int, str)) and not isinstance(v, bool):
@@ -218,11 +255,7 @@ def _json_object(name: str, raw: Any, max_bytes: int = 0) -> dict[str, Any]:
         raise RequestError(name, f"must be a JSON object string, got {type(raw).__name__}")
     if not raw.strip():
         return {}
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        raise RequestError(name, f"is not valid JSON ({e.msg} at position {e.pos}); expected an object such as "
-                           '{"max_tokens": 32, "temperature": 0}') from None
+    obj = parse_json(name, raw)
     if not isinstance(obj, dict):
         raise RequestError(name, f"must be a JSON object, got {type(obj).__name__}")
     return obj

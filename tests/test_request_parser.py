@@ -171,3 +171,37 @@ def test_adapter_ops(tmp_path):
         resolve_adapter_path("../outside", None, [str(root)])
     with pytest.raises(RequestError, match="no adapter roots"):
         resolve_adapter_path("pirate", None, [])
+
+
+DEEP = 10_000
+
+
+@pytest.mark.parametrize("where, text", [
+    ("sampling_parameters", '{"a":' * DEEP + "1" + "}" * DEEP),
+    ("sampling_parameters", '{"max_tokens": ' + "[" * DEEP + "]" * DEEP + "}"),
+    ("sampling_parameters", '{"stop": ' + "[" * DEEP),  # unterminated as well as deep
+    ("parameters", '{"stop": "' + "[" * DEEP + "]" * DEEP + '"}'),  # a list sent as JSON text in a request parameter
+    ("parameters", '{"x": ' + "[{" * DEEP + "}]" * DEEP + "}"),
+])
+def test_deep_json_refused_before_parsing(where, text):
+    """Any nesting beyond the bound is refused with the field named, never a RecursionError."""
+    limits = Limits(max_parameters_bytes=1 << 20)
+    kw = {"sp": text} if where == "sampling_parameters" else {"params": json.loads(text) if text.count("[") < 100 else text}
+    with pytest.raises(RequestError) as ei:
+        req(limits=limits, **kw)
+    field = "stop" if "stop" in text and where == "parameters" else where
+    assert ei.value.field == field and "nested" in str(ei.value), str(ei.value)
+    with pytest.raises(RequestError) as ei:
+        parse_adapter_op(text if where == "parameters" and "stop" not in text else '{"adapter_op":' + "[" * DEEP, 1 << 20)
+    assert "nested" in str(ei.value)
+
+
+def test_nesting_inside_strings_and_at_the_bound_is_fine():
+    brackets = "[" * 100 + "{" * 100
+    assert req(sp={"stop": [brackets], "max_tokens": 3}).params.stop == [brackets]
+    nested = {"a": 1}
+    for _ in range(30):
+        nested = {"a": nested}
+    with pytest.raises(RequestError) as ei:  # parsed (31 levels are allowed), then refused as an unknown key
+        req(sp=nested)
+    assert ei.value.field == "a"

@@ -202,6 +202,10 @@ class AdapterConfigInfo:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _fail(name: str, msg: str) -> AdapterLoadError:
     return AdapterLoadError(f"adapter {name!r}: {msg}")
 
@@ -212,6 +216,60 @@ def _pattern_key(pattern_keys, key_to_match: str) -> str | None:
         if re.match(rf"(.*\.)?({key})$", key_to_match):
             return key
     return None
+
+
+def hf_module_name(layer: int, proj: str) -> str:
+    """The module name PEFT matches targets against (transformers' Llama-family naming)."""
+    return f"model.layers.{layer}.{PROJ_TO_GROUP[proj][2]}.{proj}"
+
+
+def _suffix_match(names, key: str) -> bool:
+    return key in names or any(key.endswith(f".{n}") for n in names)
+
+
+def is_targeted(raw: dict, key: str) -> bool:
+    """PEFT's rule (peft.tuners.tuners_utils.check_target_module_exists) for one linear module name: exclusions
+    first; a string target is a full-match regex ("all-linear": every linear layer but the output head); list
+    entries match the whole name or a dotted suffix of it, and only then layers_to_transform / layers_pattern
+    narrow the choice to the layer index (the first numbered segment)."""
+    exclude = raw.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str) and re.fullmatch(exclude, key) or \
+                not isinstance(exclude, str) and _suffix_match(exclude, key):
+            return False
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        targets = list(SUPPORTED_PROJS)  # PEFT expands the shorthand to names, then applies the list rule
+    if isinstance(targets, str):
+        return re.fullmatch(targets, key) is not None
+    if not _suffix_match(targets, key):
+        return False
+    if key in targets:
+        return True
+    indexes = raw.get("layers_to_transform")
+    if indexes is None or indexes == []:
+        return True
+    patterns = raw.get("layers_pattern")
+    if not patterns:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        m = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if m is not None:
+                break
+    if m is None:
+        return False
+    idx = int(m.group("idx"))
+    return idx == indexes if isinstance(indexes, int) else idx in indexes
+
+
+def _describe(modules: list[tuple[int, str]]) -> str:
+    """'q_proj (layers [0, 2]), ...' for (layer, proj) pairs."""
+    by_proj: dict[str, list[int]] = {}
+    for layer, proj in modules:
+        by_proj.setdefault(proj, []).append(layer)
+    return ", ".join(f"{p} (layers {sorted(ls)})" for p, ls in sorted(by_proj.items(), key=lambda x: SUPPORTED_PROJS.index(x[0])))
 
 
 # config fields that change the math; refused unless at their neutral value
@@ -312,6 +370,24 @@ def parse_adapter_config(raw: dict, name: str, max_lora_rank: int) -> AdapterCon
                 raise _fail(name, f"unsupported target module {t!r} (supported: {', '.join(SUPPORTED_PROJS)})")
     else:
         raise _fail(name, f"target_modules must be a list or a string, got {type(targets).__name__}")
+    exclude = raw.get("exclude_modules")
+    if isinstance(exclude, str):
+        try:
+            re.compile(exclude)
+        except re.error as e:
+            raise _fail(name, f"exclude_modules regex {exclude!r} is invalid: {e}") from None
+    elif exclude is not None and not (isinstance(exclude, list) and all(isinstance(x, str) for x in exclude)):
+        raise _fail(name, "exclude_modules must be a regex string or a list of module names")
+    layers = raw.get("layers_to_transform")
+    if isinstance(targets, str) and (layers not in (None, []) or raw.get("layers_pattern")):
+        raise _fail(name, "layers_to_transform / layers_pattern cannot be used when target_modules is a string "
+                    "(PEFT refuses this config too)")
+    if layers is not None and not (_is_int(layers) or isinstance(layers, list) and all(_is_int(x) for x in layers)):
+        raise _fail(name, f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    pattern = raw.get("layers_pattern")
+    if pattern is not None and not (isinstance(pattern, str) or isinstance(pattern, list)
+                                    and all(isinstance(x, str) for x in pattern)):
+        raise _fail(name, f"layers_pattern must be a string or a list of strings, got {pattern!r}")
     return AdapterConfigInfo(r, float(alpha), use_rslora, rank_pattern, alpha_pattern, targets, max_rank, raw)
 
 
@@ -417,19 +493,15 @@ def load_peft_adapter(
             raise _fail(name, f"{where}: weights contain NaN or Inf")
 
     present = sorted({proj for _, proj in mods}, key=SUPPORTED_PROJS.index)
-    if isinstance(config.target_modules, list):
-        listed = {t.rsplit(".", 1)[-1] for t in config.target_modules}
-        extra = [p for p in present if p not in listed]
-        if extra:
-            raise _fail(name, f"weights for {extra} are not in target_modules {config.target_modules}")
-        missing = [p for p in listed if p not in present]
-        if missing:
-            raise _fail(name, f"target_modules lists {sorted(missing)} but {WEIGHTS_NAME} has no weights for them")
-        if not config.raw.get("layers_to_transform") and not config.raw.get("exclude_modules"):
-            for proj in present:
-                lacking = [i for i in range(spec.num_layers) if (i, proj) not in mods]
-                if lacking:
-                    raise _fail(name, f"{proj} is targeted but has no weights for layers {lacking}")
+    targeted = {(layer, proj) for layer in range(spec.num_layers) for proj in SUPPORTED_PROJS
+                if is_targeted(config.raw, hf_module_name(layer, proj))}
+    extra = sorted(set(mods) - targeted)
+    if extra:
+        raise _fail(name, f"weights for {_describe(extra)} are not in target_modules {config.target_modules!r}")
+    missing = sorted(targeted - set(mods))
+    if missing:
+        raise _fail(name, f"target_modules {config.target_modules!r} selects {_describe(missing)} but "
+                    f"{WEIGHTS_NAME} has no weights for them")
 
     rank = max(module_rank.values())
     base_scaling = config.scaling_for(config.r, config.lora_alpha)

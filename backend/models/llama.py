@@ -100,8 +100,16 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_tied(self.tie_word_embeddings)
+
+    def set_tied(self, tied: bool) -> None:
+        """Share the input embedding with lm_head, or give lm_head a weight of its own."""
+        self.tie_word_embeddings = tied
+        emb = self.model.embed_tokens.weight
+        if tied:
+            self.lm_head.weight = emb
+        elif self.lm_head.weight is emb:
+            self.lm_head.weight = nn.Parameter(torch.empty_like(emb), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -9,6 +10,8 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from backend.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("loom")
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -70,8 +73,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         for name, p in list(m.named_parameters(recurse=False)):
             p.data = p.data.to(dtype)
     _rebuild_buffers(model, cfg, max_position, device)
-    if model.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    # A tied config whose checkpoint still carries its own lm_head.weight: transformers ties the two only if
+    # they are equal, else it keeps both (and warns). Load both, then decide the same way.
+    tied_with_head = model.tie_word_embeddings and any(_has_tensor(f, "lm_head.weight") for f in files)
+    model.set_tied(model.tie_word_embeddings and not tied_with_head)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -82,8 +87,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                     continue
                 target, slice_idx = _map_name(name, model.stacked_params)
                 if target not in params:
-                    if name == "lm_head.weight" and model.tie_word_embeddings:
-                        continue
                     raise ModelLoadError(f"{path}: tensor {name!r} has no place in {cfg.architectures[0]}")
                 tensor = f.get_tensor(name).to(dtype)
                 if slice_idx is None:
@@ -106,8 +109,19 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if tied_with_head:
+        if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
+            model.set_tied(True)
+        else:
+            log.warning("%s: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+                        "embed_tokens.weight: both are used, untied (as transformers does)", model_dir)
     model.eval()
     return model, cfg
+
+
+def _has_tensor(path: str, name: str) -> bool:
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return name in f.keys()
 
 
 def _map_name(name: str, stacked: dict) -> tuple[str, int | None]:

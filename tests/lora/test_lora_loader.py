@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.lora import AdapterLoadError, LoraModelSpec, load_peft_adapter, read_adapter_config
-from lora_helpers import make_peft_adapter, make_tiny_llama, tiny_llama_config, write_raw_adapter
+from lora_helpers import load_hf, make_peft_adapter, make_tiny_llama, tiny_llama_config, write_raw_adapter
 
 CFG = tiny_llama_config()
 SPEC = LoraModelSpec.from_hf_config(CFG)
@@ -200,9 +200,9 @@ def test_refuse_inconsistent_files(tmp_path):
     _refused(_raw(tmp_path, "a", extra_config={"r": 8}), "rank 4 but the config says 8")
     # weights for a module not in target_modules
     _refused(_raw(tmp_path, "b", target_modules=["q_proj", "o_proj"], extra_config={"target_modules": ["q_proj"]}),
-             "['o_proj'] are not in target_modules")
+             "o_proj (layers [0, 1]) are not in target_modules")
     # target listed without weights
-    _refused(_raw(tmp_path, "c", extra_config={"target_modules": ["q_proj", "k_proj"]}), "['k_proj']", "no weights")
+    _refused(_raw(tmp_path, "c", extra_config={"target_modules": ["q_proj", "k_proj"]}), "k_proj (layers [0, 1])", "no weights")
     # A without B
     from safetensors.torch import load_file, save_file
 
@@ -232,3 +232,49 @@ def test_read_config_only_is_cheap_and_validates(tmp_path):
     assert info.max_rank == 6
     with open(os.path.join(d, "adapter_config.json")) as f:
         assert json.load(f)["r"] == 4
+
+
+# PEFT target_modules forms: which modules PEFT itself wraps is the oracle for loom's matching rule.
+TARGET_FORMS = [
+    {"target_modules": ["layers.0.self_attn.q_proj", "layers.2.mlp.down_proj"]},
+    {"target_modules": ["self_attn.v_proj", "model.layers.1.mlp.up_proj"]},
+    {"target_modules": ["q_proj", "o_proj"], "layers_to_transform": [0, 2]},
+    {"target_modules": ["k_proj"], "layers_to_transform": 1, "layers_pattern": "layers"},
+    {"target_modules": ["gate_proj", "up_proj"], "exclude_modules": ["layers.1.mlp.up_proj"]},
+    {"target_modules": "all-linear", "exclude_modules": r".*\.self_attn\..*"},
+    {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+     "layers_to_transform": [1], "layers_pattern": ["blocks", "layers"]},
+    {"target_modules": r"model\.layers\.[02]\.self_attn\.(q|v)_proj"},
+    {"target_modules": r".*(down|o)_proj", "exclude_modules": ["layers.0.self_attn.o_proj"]},
+]
+
+
+@pytest.mark.parametrize("form", TARGET_FORMS, ids=lambda f: json.dumps(f)[:60])
+def test_target_matching_equals_peft(tmp_path, form):
+    from peft import LoraConfig, get_peft_model
+
+    from backend.lora.peft_loader import SUPPORTED_PROJS, hf_module_name, is_targeted
+
+    base = make_tiny_llama(str(tmp_path / "base"), seed=0, layers=3)
+    pm = get_peft_model(load_hf(base), LoraConfig(r=2, lora_alpha=4, **form))
+    wrapped = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A")}
+    ours = {hf_module_name(layer, p) for layer in range(3) for p in SUPPORTED_PROJS if is_targeted(form, hf_module_name(layer, p))}
+    assert ours == wrapped
+
+
+def test_dotted_list_targets_load_and_match_peft(tmp_path):
+    """A list naming single layers' modules (PEFT matches them as dotted suffixes) is served like PEFT serves it."""
+    base = make_tiny_llama(str(tmp_path / "base"), seed=0, layers=3)
+    d = make_peft_adapter(base, str(tmp_path / "a"), seed=9, r=4, alpha=8, scale=2.0,
+                          target_modules=["layers.0.self_attn.q_proj", "layers.2.mlp.down_proj"])
+    spec = LoraModelSpec.from_hf_config(tiny_llama_config(layers=3))
+    w = load_peft_adapter(d, "a", spec, torch.float32, 64)
+    assert w.target_modules == ["q_proj", "down_proj"]
+    assert w.a["qkv_proj"][0, 0].abs().sum() > 0 and w.a["qkv_proj"][1:].abs().sum() == 0
+    assert w.a["down_proj"][2].abs().sum() > 0 and w.a["down_proj"][:2].abs().sum() == 0
+
+
+def test_layer_selection_with_a_regex_target_refused_like_peft(tmp_path):
+    for extra in ({"layers_to_transform": [0]}, {"layers_pattern": "layers"}):
+        _refused(_raw(tmp_path, f"x{len(extra)}{list(extra)[0]}", extra_config={"target_modules": "all-linear", **extra}),
+                 "cannot be used when target_modules is a string")
