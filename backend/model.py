@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.async_engine import AsyncEngine, RequestDelta
-from backend.response_streamer import ResponseStreamer
-from backend.outputs import RequestError
-from backend.request_parser import AdapterOp, ParsedRequest, parse_adapter_op, parse_request, resolve_adapter_path
-from backend.serve_config import parse_model_parameters
+from loom.errors import RequestError
+from loom.serving.async_engine import AsyncEngine, RequestDelta
+from loom.serving.request_parser import AdapterOp, ParsedRequest, parse_adapter_op, parse_request
+from loom.serving.response_streamer import ResponseStreamer
+from loom.serving.serve_config import parse_model_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
@@ -113,9 +113,9 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU" and cfg.engine.device == "auto":
             cfg.engine.device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
         if not cfg.engine.model:
-            from backend.default_model import ensure_default_model
-            cfg.engine.model = str(ensure_default_model())
-        from backend.engine import LLMEngine  # heavy import (torch, kernels) only when a model loads
+            from loom.engine.default_model import resolve_default_model
+            cfg.engine.model = resolve_default_model()
+        from loom.engine.llm_engine import LLMEngine  # heavy import (torch, kernels) only when a model loads
 
         self.cfg, self.limits = cfg, cfg.limits
         self.engine = LLMEngine(cfg.engine)
@@ -130,9 +130,9 @@ class TritonPythonModel:
         self._token_lock = threading.Lock()
         self.metrics = None
         if cfg.options.metrics:
-            from backend.metrics import LoomMetrics
+            from loom.serving.metrics import LoomMetrics
             labels = {"model": args["model_name"], "version": str(args["model_version"])}
-            max_len = getattr(self.engine, "max_model_len", 0) or cfg.engine.max_model_len or 8192
+            max_len = self.engine.max_model_len
             self.metrics = LoomMetrics(pb_utils, labels, max_len)
         # Adapters named by requests load on first use from <adapter root>/<name> (the engine's registry).
         self.async_engine = AsyncEngine(self.engine, max_queue_size=cfg.options.max_queue_size,
@@ -173,7 +173,7 @@ class TritonPythonModel:
             if max(prompt_ids) >= self.vocab_size:
                 raise RequestError("input_ids", f"token ids must be < the vocabulary size {self.vocab_size}")
         else:
-            prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as backend.llm does
+            prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as loom.engine.llm does
             if not prompt_ids:
                 raise RequestError("text_input", "the prompt encodes to no tokens")
         ctx = _Ctx(sender, parsed, prompt_ids)
@@ -182,14 +182,13 @@ class TritonPythonModel:
                                  timeout_s=parsed.request_timeout_s)
 
     def _adapter_request(self, op: AdapterOp, sender) -> None:
-        path = None
-        if op.op in ("load", "reload"):
-            path = resolve_adapter_path(op.name, op.path, self.cfg.engine.adapter_roots)
-        fut = self.async_engine.adapter_op(op.op, op.name, path)
+        # The registry resolves and checks lora_path (one rule for every way an adapter is loaded).
+        fut = self.async_engine.adapter_op(op.op, op.name, op.path)
 
         def done(f):
             try:
                 result = f.result()
+                path = result.get("path") if op.op in ("load", "reload") else op.path
                 body = json.dumps({"adapter_op": op.op, "lora_name": op.name, "lora_path": path, "result": result},
                                   default=str)
                 out = pb_utils.Tensor("text_output", np.array([body.encode()], dtype=np.object_))
@@ -280,7 +279,7 @@ class TritonPythonModel:
 
     def _release_engine(self, ae) -> None:
         engine = getattr(self, "engine", None)
-        loop_alive = ae is not None and ae._thread.is_alive()
+        loop_alive = ae is not None and ae.loop_alive
         if loop_alive:  # a step outlived the timeout: the loop thread still holds the engine; leave it be
             log.warning("finalize: the engine loop did not stop within shutdown_timeout_s; not waiting for it")
         adapters = getattr(engine, "adapters", None)

@@ -4,7 +4,7 @@
 tensors, the reference otherwise (or the Triton kernel under TRITON_INTERPRET=1 when forced for tests).
 """
 
-from kernels.dispatch import (
+from loom.kernels.dispatch import (
     fused_add_rms_norm,
     lora_expand,
     lora_shrink,

@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.kv_store import store_kv_ref, store_kv_triton
-from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
-from kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
-from kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
-from kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from loom.kernels.kv_store import store_kv_ref, store_kv_triton
+from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from loom.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
 
 
 def use_triton(t: torch.Tensor) -> bool:

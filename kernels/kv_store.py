@@ -1,7 +1,6 @@
 """Scatter this step's K/V into the paged cache: k_cache[slot // bs, slot % bs] = k[t] (slot -1 = skip)."""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -10,7 +10,6 @@ The reference gathers K/V through the block table and runs SDPA with a length ma
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode_attention import _LOG2E, _NEG, _dot_precision, gather_kv, sdpa_gqa, paged_decode_attention_ref
+from loom.kernels.paged_decode_attention import (
+    _LOG2E,
+    _NEG,
+    _dot_precision,
+    gather_kv,
+    paged_decode_attention_ref,
+    sdpa_gqa,
+)
 
 
 @triton.jit

@@ -15,13 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -30,7 +28,7 @@ def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from backend.lora import LoraModelSpec
+    from loom.lora import LoraModelSpec
 
     spec = LoraModelSpec.from_hf_config(hf_cfg)
     blocks = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -79,12 +77,12 @@ def main() -> None:
     import torch
     from transformers import AutoConfig
 
-    from backend.llm import LLM
-    from backend.sampling_params import SamplingParams
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
 
     model = args.model
     if not model:
-        from backend.default_model import ensure_default_model
+        from harness.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     hf_cfg = AutoConfig.from_pretrained(model)

@@ -30,10 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as bc  # noqa: E402  (imports backend before torch)
-
 import torch  # noqa: E402
+
+import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 
 SYSTEMS = ("loom", "hf-static", "hf-cb")
 
@@ -73,7 +72,7 @@ def engine_kwargs(args) -> dict:
 
 
 def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: float) -> dict:
-    from backend.sampling_params import SamplingParams
+    from loom.engine.sampling_params import SamplingParams
 
     engine = llm.engine
     bs = engine.config.block_size
@@ -361,8 +360,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from backend.config import EngineConfig
-    from backend.llm import LLM
+    from loom.engine.config import EngineConfig
+    from loom.engine.llm import LLM
 
     model_dir = args.model or bc.default_model_dir()
     device = EngineConfig(model=model_dir, device=args.device).torch_device

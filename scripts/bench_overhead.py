@@ -24,10 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as bc  # noqa: E402  (imports backend before torch)
-
 import torch  # noqa: E402
+
+import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 
 
 def parse_args(argv=None):
@@ -81,9 +80,9 @@ class Timer:
 
 
 def measure(model_dir: str, num_seqs: int, args) -> dict:
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.sampling_params import SamplingParams
+    from loom.engine.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.sampling_params import SamplingParams
 
     budget = max(num_seqs, 8192)
     max_tokens = max_new_tokens(num_seqs, args)

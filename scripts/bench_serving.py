@@ -48,8 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_common as bc  # noqa: E402  (imports backend before torch)
+import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 
 MODEL_NAME = "loom_smollm2"
 AIPERF_VERSION = "0.13.0"
@@ -294,15 +293,15 @@ def run_triton(url: str, model: str, reqs: list[Req], concurrency: int | None, r
 
 class OfflineRunner:
     def __init__(self, engine_config):
-        from backend.engine import LLMEngine
+        from loom.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(engine_config)
         self.tok = self.engine.tokenizer
         self._n = 0
 
     def run(self, reqs: list[Req], concurrency: int | None, rate: float | None, seed: int, label: str) -> list[Result]:
-        from backend.detokenizer import IncrementalDetokenizer
-        from backend.sampling_params import SamplingParams
+        from loom.engine.detokenizer import IncrementalDetokenizer
+        from loom.engine.sampling_params import SamplingParams
 
         eng = self.engine
         n = len(reqs)
@@ -392,7 +391,7 @@ def prepare_repository(src_repo: Path, model: str, dest: Path, overrides: dict[s
 
 
 def engine_config_from(params: dict[str, str], model_dir: Path):
-    from backend.serve_config import parse_model_parameters
+    from loom.serving.serve_config import parse_model_parameters
 
     cfg = parse_model_parameters({k: {"string_value": v} for k, v in params.items()}, str(model_dir))
     if not cfg.engine.model:
@@ -564,7 +563,7 @@ def main(argv=None) -> int:
         data["server_parameters"] = params
         url, http_url = args.url, args.http_url
         if url is None:
-            from tritonserver_local import LocalTritonServer
+            from harness.tritonserver import LocalTritonServer
 
             bc.progress("starting tritonserver (tritonserver_local.py)")
             server = LocalTritonServer()

@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from backend.default_model import default_model_dir, ensure_default_model  # noqa: E402
+from harness.default_model import default_model_dir, ensure_default_model
 
 
 def main(argv: list[str] | None = None) -> int:

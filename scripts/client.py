@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             from transformers import AutoTokenizer
             tok_dir = args.tokenizer
             if tok_dir is None:
-                from backend.default_model import ensure_default_model
+                from harness.default_model import ensure_default_model
                 tok_dir = str(ensure_default_model())
             tok = AutoTokenizer.from_pretrained(tok_dir)
             prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

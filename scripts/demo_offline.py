@@ -12,8 +12,8 @@ import argparse
 import time
 
 import backend  # noqa: F401  (CPU tuning before torch loads)
-from backend.llm import LLM
-from backend.sampling_params import SamplingParams
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -23,8 +23,6 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 import torch  # noqa: E402
 
@@ -59,7 +57,7 @@ def copy_bandwidth_gbs(device, nbytes):
 
 
 def run_correctness(device, dtypes, only=None):
-    import kcases
+    import harness.kernel_cases as kcases
 
     results = []
     for name, (check, cases) in kcases.CASES.items():
@@ -82,10 +80,10 @@ def run_correctness(device, dtypes, only=None):
 
 def bench_specs(device, dtype, tiny):
     """(name, shape, fn, bytes moved, flops) for each kernel at serving-sized (or tiny) shapes."""
-    import kcases
-    from kernels import activation, kv_store, lora, norm, rotary
-    from kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
-    from kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+    import harness.kernel_cases as kcases
+    from loom.kernels import activation, kv_store, lora, norm, rotary
+    from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+    from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
 
     impl = "ref" if device != "cuda" else "triton"
     pick = lambda mod, base: getattr(mod, f"{base}_{impl}")  # noqa: E731
@@ -206,11 +204,11 @@ def time_decode_step(model_dir_or_config, batch_sizes=(1, 32), prompt_len=128, s
     """HOOK: median wall time of one engine decode step per batch size -> {B: ms}.
 
     model_dir_or_config: a model folder ("" = the default model) or a HF config dict (random weights).
-    Imports backend.engine lazily; raises whatever the engine raises (the caller reports it).
+    Imports loom.engine.llm_engine lazily; raises whatever the engine raises (the caller reports it).
     """
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.sampling_params import SamplingParams
+    from loom.engine.config import EngineConfig
+    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.sampling_params import SamplingParams
 
     tmp = None
     if isinstance(model_dir_or_config, dict):
@@ -256,7 +254,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="run the plumbing on CPU with tiny sizes and the references")
     ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--model-dir", default="", help="model for the decode timing ('' = the default model)")
+    ap.add_argument("--model-dir", default="", help="model for the decode timing ('' = the default model; with "
+                    "--cpu-smoke: a tiny random Llama)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -279,6 +278,8 @@ def main(argv=None):
             print("FAIL", *row, flush=True)
     print(f"correctness: {sum(r[2] == 'ok' for r in corr)}/{len(corr)} ok ({time.time() - T0:.0f}s)", flush=True)
 
+    failures: list[str] = []  # any failed section makes the script exit non-zero
+
     # 2. bandwidth
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if tiny else (1 << 30))
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
@@ -296,10 +297,14 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001
                 print(f"bench {name} failed: {e!r}")
                 traceback.print_exc()
+                failures.append(f"bench {name}")
 
     # 3. decode step
     decode_rows = []
-    if tiny:  # the hook's code path on a tiny random Llama
+    if tiny and args.model_dir:  # the smoke run on a model of the user's
+        targets = [("model", args.model_dir)]
+        kw = dict(batch_sizes=(1, 2), prompt_len=8, steps=2, dtype="float32")
+    elif tiny:  # the hook's code path on a tiny random Llama
         targets = [("tiny random Llama", dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                                vocab_size=1000, torch_dtype="float32", bos_token_id=1, eos_token_id=2))]
@@ -317,11 +322,10 @@ def main(argv=None):
             try:
                 for B, ms in time_decode_step(target, **kw).items():
                     decode_rows.append((label, B, ms))
-            except ImportError as e:
-                print(f"engine not available ({e})")
-                break
             except Exception as e:  # noqa: BLE001
-                print(f"engine not available for {label}: {e!r}")
+                print(f"decode step of {label} failed: {e!r}")
+                traceback.print_exc()
+                failures.append(f"decode step {label}")
 
     # table last
     print()
@@ -333,7 +337,9 @@ def main(argv=None):
         print(f"decode step {label:<14} B={B:<4}{ms:>10.2f} ms  ({B / ms * 1e3:.0f} tok/s)")
     bad = [r for r in corr if r[2] != "ok"]
     print(f"correctness: {len(corr) - len(bad)}/{len(corr)} ok; total {time.time() - T0:.0f}s")
-    return 1 if bad else 0
+    if failures:
+        print(f"FAILED sections: {', '.join(failures)}")
+    return 1 if bad or failures else 0
 
 
 if __name__ == "__main__":

@@ -8,10 +8,9 @@ PROMPT="${1:-Tell me about the sea.}"
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python - "$PROMPT" <<'PY'
+PYTHONPATH=scripts python - "$PROMPT" <<'PY'
 import subprocess, sys
-sys.path.insert(0, "scripts")
-from tritonserver_local import LocalTritonServer
+from harness.tritonserver import LocalTritonServer
 
 prompt = sys.argv[1]
 with LocalTritonServer() as server:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 QA = [
     ("What is the capital of France?", "The capital of France is Paris."),
@@ -80,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    from backend.default_model import ensure_default_model
+    from harness.default_model import ensure_default_model
 
     model_dir = str(ensure_default_model())
     root = Path(args.out)

@@ -38,15 +38,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
+from harness.triton_client import make_inputs, metric, scrape, tensor  # noqa: F401  (make_inputs: re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 MODEL = "loom_smollm2"
 CHURN = "churn"
@@ -57,37 +54,6 @@ CANCELLED_MSG = "cancelled"
 
 
 # ------------------------------------------------------------------ requests
-
-def _tensor(name: str, value, dtype: str):
-    import tritonclient.grpc as grpcclient
-
-    arr = np.array(value, dtype=np.object_ if dtype == "BYTES" else None)
-    if dtype == "BOOL":
-        arr = arr.astype(bool)
-    elif dtype == "INT32":
-        arr = arr.astype(np.int32)
-    t = grpcclient.InferInput(name, list(arr.shape), dtype)
-    t.set_data_from_numpy(arr)
-    return t
-
-
-def make_inputs(prompt=None, params: dict | None = None, stream: bool | None = True, input_ids=None,
-                sp_raw: str | None = None, **flags) -> list:
-    """vllm_backend-style input tensors (shared with the e2e tests); stream=None omits the tensor."""
-    ins = []
-    if prompt is not None:
-        ins.append(_tensor("text_input", [prompt.encode() if isinstance(prompt, str) else prompt], "BYTES"))
-    if input_ids is not None:
-        ins.append(_tensor("input_ids", list(input_ids), "INT32"))
-    if stream is not None:
-        ins.append(_tensor("stream", [stream], "BOOL"))
-    if params is not None or sp_raw is not None:
-        raw = sp_raw if sp_raw is not None else json.dumps(params)
-        ins.append(_tensor("sampling_parameters", [raw.encode()], "BYTES"))
-    for k, v in flags.items():
-        ins.append(_tensor(k, [v], "BOOL"))
-    return ins
-
 
 @dataclass
 class BadInput:
@@ -320,7 +286,7 @@ class Churner(threading.Thread):
                 params["lora_name"] = name
             if path:
                 params["lora_path"] = path
-            client.async_stream_infer(MODEL, [_tensor("text_input", [b""], "BYTES")], parameters=params,
+            client.async_stream_infer(MODEL, [tensor("text_input", [b""], "BYTES")], parameters=params,
                                       request_id=f"op-{op}-{name}-{time.monotonic_ns()}")
             if not done.wait(timeout):
                 return None, "timeout"
@@ -416,24 +382,6 @@ class SoakReport:
         return not self.failures
 
 
-def _scrape(metrics_url: str) -> dict[str, float]:
-    out = {}
-    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
-        if line.startswith("loom_"):
-            key, _, val = line.rpartition(" ")
-            out[key] = float(val)
-    return out
-
-
-def _metric(snap: dict, name: str, **labels) -> float:
-    total = 0.0
-    for key, v in snap.items():
-        base, _, lab = key.partition("{")
-        if base == name and all(f'{k}="{val}"' in lab for k, val in labels.items()):
-            total += v
-    return total
-
-
 def _finished_by_reason(snap: dict) -> dict[str, float]:
     return {k.split('reason="')[1].split('"')[0]: v for k, v in snap.items()
             if k.startswith("loom_request_finished_total{") and f'model="{MODEL}"' in k}
@@ -441,9 +389,9 @@ def _finished_by_reason(snap: dict) -> dict[str, float]:
 
 def offline_references(model_dir: str, adapter_root: str, adapters, max_tokens: int, llm=None) -> dict:
     """(prompt, adapter) -> text of an offline engine run (greedy, ignore_eos), adapters by folder name.
-    `llm`: a backend.llm.LLM whose adapter root is `adapter_root` (default: a new one)."""
-    from backend.llm import LLM
-    from backend.sampling_params import SamplingParams
+    `llm`: a loom.engine.llm.LLM whose adapter root is `adapter_root` (default: a new one)."""
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
 
     if llm is None:
         llm = LLM(model_dir, adapter_roots=[adapter_root], kv_cache_memory_bytes=256 << 20)
@@ -459,7 +407,7 @@ def run_soak(cfg: SoakConfig, adapter_root: Path, refs: dict | None, server=None
     import tritonclient.grpc as grpcclient
 
     rep = SoakReport(streams=cfg.streams)
-    base = _finished_by_reason(_scrape(cfg.metrics_url)) if cfg.metrics_url else {}  # the server may be reused
+    base = _finished_by_reason(scrape(cfg.metrics_url)) if cfg.metrics_url else {}  # the server may be reused
     t0 = time.monotonic()
     deadline = t0 + cfg.duration_s
     recs: list[Rec] = []
@@ -577,8 +525,8 @@ def run_soak(cfg: SoakConfig, adapter_root: Path, refs: dict | None, server=None
     if cfg.metrics_url:
         time.sleep(0.3)  # gauges are refreshed every 50 ms
         try:
-            snap = _scrape(cfg.metrics_url)
-            rep.kv_blocks_used_metric = _metric(snap, "loom_kv_blocks_used", model=MODEL)
+            snap = scrape(cfg.metrics_url)
+            rep.kv_blocks_used_metric = metric(snap, "loom_kv_blocks_used", model=MODEL)
             after = _finished_by_reason(snap)
             rep.server_finished_by_reason = {k: v - base.get(k, 0.0) for k, v in after.items()
                                              if v - base.get(k, 0.0)}
@@ -672,7 +620,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from tritonserver_local import LocalTritonServer
+    from harness.tritonserver import LocalTritonServer
 
     adapters = tuple(a for a in args.adapters.split(",") if a)
     root = Path(args.adapter_root).resolve()
@@ -680,7 +628,7 @@ def main(argv=None) -> int:
         if not (root / a / "adapter_config.json").is_file():
             print(f"no adapter {a!r} under {root}", file=sys.stderr)
             return 2
-    from backend.default_model import ensure_default_model
+    from harness.default_model import ensure_default_model
     model_dir = str(ensure_default_model())
     refs = None
     if not args.no_greedy_check:

@@ -6,4 +6,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton kernels run under the interpreter on CPU; it must be set before any @triton.jit is decorated.
 # The engine still runs the PyTorch references on CPU unless LOOM_FORCE_TRITON=1.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-import backend  # noqa: E402,F401  (sets MKL tuning before torch is imported)
+from loom.engine.cpu import tune_mkl_for_amd  # noqa: E402
+
+tune_mkl_for_amd()  # before torch loads MKL (the HF oracles run in this process too)

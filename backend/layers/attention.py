@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.forward_context import get_forward_context
-from kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from loom.kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from loom.layers.forward_context import get_forward_context
 
 
 class PagedAttention(nn.Module):

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.forward_context import get_forward_context
-from kernels import lora_expand, lora_shrink
+from loom.kernels import lora_expand, lora_shrink
+from loom.layers.forward_context import get_forward_context
 
 
 class LoRALinear(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import fused_add_rms_norm
+from loom.kernels import fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import rotary_embedding
+from loom.kernels import rotary_embedding
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -4,9 +4,10 @@ Engine-facing API (see adapter_registry.py for the request flow):
   AdapterRegistry(config, model, device, dtype)
   AdapterRef, build_lora_meta(refs, num_tokens, device)
 """
-from .adapter_registry import AdapterRef, AdapterRegistry, build_lora_meta, resolve_adapter_path, validate_adapter_name
-from .lora_pool import LoraPool, RowAllocator
-from .peft_loader import (
+from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
+from loom.lora.adapter_registry import AdapterRef, AdapterRegistry, build_lora_meta
+from loom.lora.lora_pool import LoraPool, RowAllocator
+from loom.lora.peft_loader import (
     SUPPORTED_PROJS,
     AdapterLoadError,
     AdapterWeights,

@@ -4,7 +4,7 @@ Threading: every public method is meant for the engine's loop thread. A single b
 adapters from disk into host memory; it takes the registry lock only to publish the result (and does no
 device work), so the loop thread never waits for disk I/O.
 
-Lifecycle of a version (one per load/reload of a name; `cache_key` is unique per version):
+Lifecycle of a version (one per load/reload of a name; `version` is unique per version):
   loading -> host (weights in host memory) <-> device (rows in the pools; keeps its host copy) -> ...
   A version not referenced by any request may drop its host copy ("disk") beyond max_host_adapters and
   is read again on next use (refused if the files changed in between: reload picks up new weights).
@@ -22,22 +22,20 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
 
-from ..forward_context import LoraBatchMeta
-from ..outputs import RequestError
-from .lora_pool import LoraPool
-from .peft_loader import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    AdapterConfigInfo,
+from loom.errors import RequestError
+from loom.layers.forward_context import LoraBatchMeta
+from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
+from loom.lora.lora_pool import LoraPool
+from loom.lora.peft_loader import (
     GROUP_LAYOUT,
     PROJ_TO_GROUP,
+    AdapterConfigInfo,
     AdapterLoadError,
     AdapterWeights,
     LoraModelSpec,
@@ -45,71 +43,16 @@ from .peft_loader import (
     read_adapter_config,
 )
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]*(?:/[A-Za-z0-9_][A-Za-z0-9._\-]*)*$")
-MAX_NAME_LEN = 256
-
-
-def validate_adapter_name(name, field_name: str = "lora_name") -> str:
-    if not isinstance(name, str) or not name:
-        raise RequestError(field_name, "adapter name must be a non-empty string")
-    if len(name) > MAX_NAME_LEN or not _NAME_RE.match(name):
-        raise RequestError(field_name, f"invalid adapter name {name!r}: use letters, digits, '.', '_', '-' "
-                           f"(segments separated by '/', none starting with '.'), at most {MAX_NAME_LEN} characters")
-    return name
-
-
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def resolve_adapter_path(path: str, roots: Sequence[str], field_name: str = "path") -> str:
-    """The real path of an adapter directory inside one of `roots`, or RequestError(field_name, ...).
-
-    Relative paths are looked up under each root in order; absolute paths must lie inside a root.
-    `..` components are refused outright; symlinks (of the directory or its files) may not leave the root.
-    """
-    if not roots:
-        raise RequestError(field_name, "no adapter_roots are configured, so no adapter can be loaded")
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise RequestError(field_name, "adapter path must be a non-empty string")
-    if ".." in re.split(r"[\\/]+", path):
-        raise RequestError(field_name, f"adapter path {path!r} may not contain '..'")
-    real_roots = [os.path.realpath(r) for r in roots]
-    if os.path.isabs(path):
-        candidates = [path]
-    else:
-        candidates = [os.path.join(r, path) for r in real_roots]
-    escaped = None
-    for cand in candidates:
-        real = os.path.realpath(cand)
-        root = next((r for r in real_roots if _within(real, r)), None)
-        if root is None:
-            if os.path.isabs(path):
-                raise RequestError(field_name, f"adapter path {path!r} is outside the configured adapter roots")
-            if os.path.exists(cand):
-                escaped = cand
-            continue
-        if not os.path.isdir(real):
-            continue
-        for fname in (CONFIG_NAME, WEIGHTS_NAME):
-            f = os.path.join(real, fname)
-            if os.path.lexists(f) and not _within(os.path.realpath(f), root):
-                raise RequestError(field_name, f"{fname} of adapter path {path!r} links outside the adapter roots")
-        return real
-    if escaped is not None:
-        raise RequestError(field_name, f"adapter path {path!r} resolves outside the configured adapter roots")
-    raise RequestError(field_name, f"adapter directory {path!r} does not exist under the adapter roots")
-
 
 class _Version:
-    __slots__ = ("name", "path", "cache_key", "config", "rank", "scaling", "host", "loading", "error",
+    __slots__ = ("name", "path", "version", "config", "rank", "scaling", "host", "loading", "error",
                  "refcount", "active", "row_start", "last_used", "stale", "content_hash", "targets",
                  "pending_kind", "future")
 
-    def __init__(self, name: str, path: str, cache_key: int, config: AdapterConfigInfo, pending_kind: str):
+    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo, pending_kind: str):
         self.name = name
         self.path = path
-        self.cache_key = cache_key
+        self.version = version
         self.config = config
         self.rank = config.max_rank  # final once loaded
         self.scaling = config.scaling_for(config.r, config.lora_alpha)
@@ -154,8 +97,8 @@ class AdapterRef:
         return self._v.name
 
     @property
-    def cache_key(self) -> int:
-        return self._v.cache_key
+    def version(self) -> int:
+        return self._v.version
 
     @property
     def ready(self) -> bool:
@@ -181,7 +124,7 @@ class AdapterRef:
         return self._v.row_start
 
     def __repr__(self) -> str:
-        return (f"AdapterRef({self.name!r}, key={self.cache_key}, rank={self.rank}, ready={self.ready}, "
+        return (f"AdapterRef({self.name!r}, version={self.version}, rank={self.rank}, ready={self.ready}, "
                 f"active={self.active}, rows={self.row_start})")
 
 
@@ -204,7 +147,7 @@ class AdapterRegistry:
         self._names: dict[str, _Version] = {}  # name -> current (possibly still loading on first load)
         self._reloading: dict[str, _Version] = {}  # name -> version a reload is loading
         self._versions: set[_Version] = set()
-        self._keys = itertools.count(1)
+        self._version_ids = itertools.count(1)
         self._clock = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
         self.num_evictions = 0
@@ -230,19 +173,19 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------------ management API
 
-    def load(self, name: str, path: str, wait: bool = True):
-        """Load a new adapter name from `path` (inside an adapter root).
+    def load(self, name: str, path: str | None = None, wait: bool = True):
+        """Load a new adapter name from `path` (inside an adapter root; default `<root>/<name>`).
 
         Config problems raise RequestError at once. With wait=True returns the info dict (weight problems
-        raise RequestError("path", ...)); with wait=False returns a Future of it (do not block the loop
+        raise RequestError("lora_path", ...)); with wait=False returns a Future of it (do not block the loop
         thread on it). Until the load completes, requests naming it wait for it.
         """
-        validate_adapter_name(name, "name")
+        validate_adapter_name(name)
         with self._lock:
             if name in self._names or name in self._reloading:
-                raise RequestError("name", f"adapter {name!r} is already loaded (use reload to replace it)")
-            real = resolve_adapter_path(path, self.roots, "path")
-            cfg = self._read_config(real, name, "path")
+                raise RequestError("lora_name", f"adapter {name!r} is already loaded (use reload to replace it)")
+            real = resolve_adapter_path(path if path is not None else name, self.roots, "lora_path" if path is not None else "lora_name")
+            cfg = self._read_config(real, name, "lora_path")
             v = self._new_version(name, real, cfg, "load")
             self._names[name] = v
             fut = self._start_load(v)
@@ -251,15 +194,15 @@ class AdapterRegistry:
     def reload(self, name: str, path: str | None = None, wait: bool = True):
         """Load a new version of `name` (from `path`, default its current path). Running and already-admitted
         requests keep their version; requests acquired after the new version is published get it."""
-        validate_adapter_name(name, "name")
+        validate_adapter_name(name)
         with self._lock:
             cur = self._names.get(name)
             if cur is None:
-                raise RequestError("name", f"adapter {name!r} is not loaded")
+                raise RequestError("lora_name", f"adapter {name!r} is not loaded")
             if cur.pending_kind == "load" or name in self._reloading:
-                raise RequestError("name", f"adapter {name!r} is still loading; retry when done")
-            real = resolve_adapter_path(path if path is not None else cur.path, self.roots, "path")
-            cfg = self._read_config(real, name, "path")
+                raise RequestError("lora_name", f"adapter {name!r} is still loading; retry when done")
+            real = resolve_adapter_path(path if path is not None else cur.path, self.roots, "lora_path")
+            cfg = self._read_config(real, name, "lora_path")
             v = self._new_version(name, real, cfg, "reload")
             self._reloading[name] = v
             fut = self._start_load(v)
@@ -267,12 +210,12 @@ class AdapterRegistry:
 
     def unload(self, name: str) -> dict:
         """Forget `name`; versions still used by requests stay until their last ref is released."""
-        validate_adapter_name(name, "name")
+        validate_adapter_name(name)
         with self._lock:
             v = self._names.pop(name, None)
             p = self._reloading.pop(name, None)
             if v is None and p is None:
-                raise RequestError("name", f"adapter {name!r} is not loaded")
+                raise RequestError("lora_name", f"adapter {name!r} is not loaded")
             info = self._info(v if v is not None else p)
             for x in (v, p):
                 if x is not None:
@@ -415,7 +358,7 @@ class AdapterRegistry:
         return resolve_adapter_path(name, self.roots, "lora_name")
 
     def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, kind: str) -> _Version:
-        v = _Version(name, path, next(self._keys), cfg, kind)
+        v = _Version(name, path, next(self._version_ids), cfg, kind)
         self._versions.add(v)
         self._touch(v)
         return v
@@ -471,7 +414,7 @@ class AdapterRegistry:
         if err is None:
             fut.set_result(info)
         else:
-            fut.set_exception(RequestError("path", err))
+            fut.set_exception(RequestError("lora_path", err))
 
     def _maybe_free(self, v: _Version) -> None:
         """Free a stale version nobody holds (rows + host weights)."""
@@ -530,7 +473,7 @@ class AdapterRegistry:
         return {
             "name": v.name,
             "path": v.path,
-            "version": v.cache_key,
+            "version": v.version,
             "rank": v.rank,
             "scaling": v.scaling,
             "target_modules": list(v.targets),

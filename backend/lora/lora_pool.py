@@ -14,7 +14,7 @@ import bisect
 
 import torch
 
-from .peft_loader import AdapterWeights, LoraModelSpec
+from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
 
 class RowAllocator:
@@ -105,7 +105,7 @@ class LoraPool:
         """Point every LoRA-capable module's lora_a / lora_b at its layer's view of the pools."""
         if self.capacity == 0:
             return
-        for (layer, group), mod in LoraModelSpec.find_modules(model).items():
+        for (layer, group), mod in model.lora_modules().items():
             mod.lora_a = self.a[group][layer]
             mod.lora_b = self.b[group][layer]
             mod.lora_group = group

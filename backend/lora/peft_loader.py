@@ -85,8 +85,6 @@ GROUP_LAYOUT = (
 # projection name -> (group index, slice index, HF block)
 PROJ_TO_GROUP = {p: (gi, si, blk) for gi, (_, _, blk, projs) in enumerate(GROUP_LAYOUT) for si, p in enumerate(projs)}
 
-_MODULE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn\.qkv_proj|self_attn\.o_proj|mlp\.gate_up_proj|mlp\.down_proj)$")
-
 
 @dataclass(frozen=True)
 class LoraModelSpec:
@@ -106,20 +104,9 @@ class LoraModelSpec:
         g = self.groups[gi]
         return g.in_features, g.output_sizes[si]
 
-    @staticmethod
-    def find_modules(model: torch.nn.Module) -> dict[tuple[int, str], torch.nn.Module]:
-        """(layer, group name) -> module, for every LoRA-capable fused linear of the model."""
-        path_to_group = {path: name for name, path, _, _ in GROUP_LAYOUT}
-        found: dict[tuple[int, str], torch.nn.Module] = {}
-        for mod_name, mod in model.named_modules():
-            m = _MODULE_RE.search(mod_name)
-            if m:
-                found[(int(m.group(1)), path_to_group[m.group(2)])] = mod
-        return found
-
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "LoraModelSpec":
-        found = cls.find_modules(model)
+        found = model.lora_modules()  # (layer, group name) -> fused linear: the model says which are LoRA-capable
         if not found:
             raise ValueError("the model has no LoRA-capable layers (layers.N.self_attn.qkv_proj, ...)")
         num_layers = 1 + max(layer for layer, _ in found)

@@ -1,1 +1,1 @@
-"""Model families, written against backend.layers; one file per family."""
+"""Model families, written against loom.layers; one file per family."""

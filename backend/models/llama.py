@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.layers.attention import PagedAttention
-from backend.layers.linear import LoRALinear
-from backend.layers.norm import RMSNorm
-from backend.layers.rotary import RotaryEmbedding, rope_parameters
-from kernels import silu_and_mul
+from loom.kernels import silu_and_mul
+from loom.layers.attention import PagedAttention
+from loom.layers.linear import LoRALinear
+from loom.layers.norm import RMSNorm
+from loom.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
@@ -116,6 +116,15 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def lora_modules(self) -> dict[tuple[int, str], LoRALinear]:
+        """(layer index, group name) -> the fused linear that adapters of that group apply to."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            out.update({(i, "qkv_proj"): attn.qkv_proj, (i, "o_proj"): attn.o_proj,
+                        (i, "gate_up_proj"): mlp.gate_up_proj, (i, "down_proj"): mlp.down_proj})
+        return out
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

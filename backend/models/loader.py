@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from backend.models.llama import LlamaForCausalLM
+from loom.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("loom")
 
@@ -148,7 +148,7 @@ def _expected_keys(model) -> set[str]:
 
 def _rebuild_buffers(model, cfg, max_position: int, device) -> None:
     """Non-persistent buffers are lost by to_empty(); recompute them on the device."""
-    from backend.layers.rotary import RotaryEmbedding, rope_parameters
+    from loom.layers.rotary import RotaryEmbedding, rope_parameters
 
     theta, scaling = rope_parameters(cfg)
     for m in model.modules():

@@ -2,41 +2,21 @@
 plus the offline engine in this process as the reference, and two small random LoRA adapters."""
 from __future__ import annotations
 
-import importlib.util
-import json
 import queue
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+
+from harness import triton_client
+from harness.triton_client import make_inputs, metric  # noqa: F401  (re-exported to the tests)
+from harness.tritonserver import LocalTritonServer
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "loom_smollm2"
-
-
-def _skip_reason() -> str | None:
-    for mod in ("tritonclient", "pytriton"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed (pip install -e .[test])"
-    try:
-        import backend.engine  # noqa: F401
-    except Exception as e:  # the engine has not landed yet, or does not import
-        return f"backend.engine cannot be imported yet: {type(e).__name__}: {e}"
-    return None
-
-
-_reason = _skip_reason()
-if _reason:
-    pytest.skip(_reason, allow_module_level=True)
-
-import tritonclient.grpc as grpcclient  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-from tritonserver_local import LocalTritonServer  # noqa: E402
 
 
 def make_lora(model_dir: str, out_dir: Path, seed: int, r: int = 8) -> None:
@@ -59,7 +39,7 @@ def make_lora(model_dir: str, out_dir: Path, seed: int, r: int = 8) -> None:
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from backend.default_model import ensure_default_model
+    from harness.default_model import ensure_default_model
     return str(ensure_default_model())
 
 
@@ -99,14 +79,11 @@ def server(repo_dir):
 
 @pytest.fixture(scope="session")
 def offline(model_dir, adapter_root):
-    from backend.llm import LLM
+    from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)])
 
 
 # ------------------------------------------------------------------ client helpers
-
-from soak import _metric as metric, _scrape, _tensor as tensor, make_inputs  # noqa: E402,F401  (shared with the soak)
-
 
 class Stream:
     """One gRPC stream; results are routed per request id."""
@@ -166,7 +143,7 @@ def text_of(results) -> str:
 
 def scrape(server) -> dict[str, float]:
     """`name{labels}` -> value for the loom_* series."""
-    return _scrape(server.metrics_url)
+    return triton_client.scrape(server.metrics_url)
 
 
 def wait_for(cond, timeout=20.0, interval=0.1):

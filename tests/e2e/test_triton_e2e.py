@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from backend.sampling_params import SamplingParams
+from loom.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import Stream, make_inputs, metric, scrape, text_of, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is",

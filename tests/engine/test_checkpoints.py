@@ -12,10 +12,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from backend.llm import LLM
-from backend.sampling_params import SamplingParams
-
-from .conftest import hf_greedy, make_hf_model, random_prompts
+from harness.hf_models import hf_greedy, make_hf_model, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
 
 
 def _write(path, shards: list[dict]) -> None:

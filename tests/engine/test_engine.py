@@ -4,11 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.llm import LLM
-from backend.outputs import RequestError
-from backend.sampling_params import SamplingParams
-
-from .conftest import assert_no_leak, make_hf_model, random_prompts
+from harness.hf_models import assert_no_leak, make_hf_model, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
+from loom.errors import RequestError
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.llm import LLM
-from backend.sampling_params import SamplingParams
-
-from .conftest import assert_no_leak, hf_greedy, make_hf_model, random_prompts
+from harness.hf_models import assert_no_leak, hf_greedy, make_hf_model, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -49,9 +48,9 @@ def test_shared_prefix_hits_counted(family):
     tails = random_prompts([5, 11, 3], 320, seed=3)
     prompts = [prefix + t for t in tails]
     _check(llm, model, prompts[:1], 8)
-    hits_before = llm.engine.block_manager.hit_tokens
+    hits_before = llm.engine.scheduler.prefix_hit_tokens
     _check(llm, model, prompts[1:], 8)  # both find the first request's 3 cached prefix blocks
-    assert llm.engine.block_manager.hit_tokens - hits_before == 2 * 48
+    assert llm.engine.scheduler.prefix_hit_tokens - hits_before == 2 * 48
     # A prompt equal to a cached prefix still computes its last token (logits are needed).
     outs = _check(llm, model, [prefix], 8)
     assert outs[0].num_cached_tokens == 32

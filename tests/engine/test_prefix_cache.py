@@ -10,10 +10,9 @@ import random
 
 import pytest
 
-from backend.llm import LLM
-from backend.sampling_params import SamplingParams
-
-from .conftest import assert_no_leak, make_hf_model, random_prompts
+from harness.hf_models import assert_no_leak, make_hf_model, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
 
 BS = 8
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -31,7 +30,7 @@ def check_chain_invariant(engine) -> None:
         parent = 0
         for i in range(seq.num_hashed_blocks):
             block = bm.blocks[seq.block_table[i]]
-            expected = (parent, seq.adapter_key, tuple(seq.token_ids[i * BS:(i + 1) * BS]))
+            expected = (parent, seq.adapter_version, tuple(seq.token_ids[i * BS:(i + 1) * BS]))
             assert block.key == expected, f"{seq.request_id} block {i}: key {block.key} != {expected}"
             assert bm.cached.get(block.key) == seq.block_table[i]
             parent = block.entry_id

@@ -3,11 +3,11 @@ naive per-token loops in float64, and check the dispatcher picks the intended im
 import pytest
 import torch
 
-import kcases
+import harness.kernel_cases as kcases
 import kernels
-from kernels import dispatch, lora, norm, rotary
-from kernels.paged_decode_attention import paged_decode_attention_ref
-from kernels.paged_prefill_attention import paged_prefill_attention_ref
+from loom.kernels import dispatch, lora, norm, rotary
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
 def naive_attention(q, kc, vc, cu, seq_lens, bt, scale):

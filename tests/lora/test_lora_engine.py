@@ -1,4 +1,4 @@
-"""Multi-LoRA through the engine (backend.llm.LLM) vs HF PEFT, hot load/unload/reload, LRU, refusals.
+"""Multi-LoRA through the engine (loom.engine.llm.LLM) vs HF PEFT, hot load/unload/reload, LRU, refusals.
 
 CPU, float32, tiny random Llama models made here (no tokenizer: prompts are token ids).
 """
@@ -11,16 +11,12 @@ import time
 import pytest
 import torch
 
-try:
-    from backend.llm import LLM
-    from backend.sampling_params import SamplingParams
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"backend.llm is not importable yet ({type(e).__name__}: {e})", allow_module_level=True)
-
-import backend.lora.adapter_registry as registry_mod
-from backend.lora import LoraModelSpec
-from backend.outputs import RequestError
-from lora_helpers import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
+import loom.lora.adapter_registry as registry_mod
+from harness.lora import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
+from loom.errors import RequestError
+from loom.lora import LoraModelSpec
 
 CFG = tiny_llama_config()
 ROW = LoraModelSpec.from_hf_config(CFG).bytes_per_row(torch.float32)

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from backend.lora import AdapterLoadError, LoraModelSpec, load_peft_adapter, read_adapter_config
-from lora_helpers import load_hf, make_peft_adapter, make_tiny_llama, tiny_llama_config, write_raw_adapter
+from harness.lora import load_hf, make_peft_adapter, make_tiny_llama, tiny_llama_config, write_raw_adapter
+from loom.lora import AdapterLoadError, LoraModelSpec, load_peft_adapter, read_adapter_config
 
 CFG = tiny_llama_config()
 SPEC = LoraModelSpec.from_hf_config(CFG)
@@ -253,7 +253,7 @@ TARGET_FORMS = [
 def test_target_matching_equals_peft(tmp_path, form):
     from peft import LoraConfig, get_peft_model
 
-    from backend.lora.peft_loader import SUPPORTED_PROJS, hf_module_name, is_targeted
+    from loom.lora.peft_loader import SUPPORTED_PROJS, hf_module_name, is_targeted
 
     base = make_tiny_llama(str(tmp_path / "base"), seed=0, layers=3)
     pm = get_peft_model(load_hf(base), LoraConfig(r=2, lora_alpha=4, **form))

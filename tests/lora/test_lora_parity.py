@@ -9,11 +9,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.lora import AdapterRegistry, LoraModelSpec
-from lora_helpers import (ADAPTERS, MixedLoraHF, holder_model, load_hf, make_peft_adapter, make_tiny_llama, peft_generate,
-                          tiny_llama_config, write_raw_adapter)
-
+from harness.lora import (
+    ADAPTERS,
+    MixedLoraHF,
+    holder_model,
+    load_hf,
+    make_peft_adapter,
+    make_tiny_llama,
+    peft_generate,
+    tiny_llama_config,
+    write_raw_adapter,
+)
+from loom.engine.config import EngineConfig
+from loom.lora import AdapterRegistry, LoraModelSpec
 
 
 @pytest.fixture(scope="module")

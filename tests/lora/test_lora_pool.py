@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from backend.lora import LoraModelSpec, LoraPool, RowAllocator, load_peft_adapter
-from lora_helpers import holder_model, tiny_llama_config, write_raw_adapter
+from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
+from loom.lora import LoraModelSpec, LoraPool, RowAllocator, load_peft_adapter
 
 
 def test_allocator_first_fit_and_coalescing():

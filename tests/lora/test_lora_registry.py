@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-import backend.lora.adapter_registry as registry_mod
-from backend.config import EngineConfig
-from backend.lora import AdapterRegistry, LoraModelSpec, build_lora_meta
-from backend.outputs import RequestError
-from lora_helpers import holder_model, tiny_llama_config, write_raw_adapter
+import loom.lora.adapter_registry as registry_mod
+from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
+from loom.engine.config import EngineConfig
+from loom.errors import RequestError
+from loom.lora import AdapterRegistry, LoraModelSpec, build_lora_meta
 
 CFG = tiny_llama_config()
 SPEC = LoraModelSpec.from_hf_config(CFG)
@@ -83,7 +83,7 @@ def test_paths_confined_to_roots(tmp_path, root):
     ]:
         with pytest.raises(RequestError) as ei:
             reg.load("x", path)
-        assert ei.value.field == "path" and frag in str(ei.value), str(ei.value)
+        assert ei.value.field == "lora_path" and frag in str(ei.value), str(ei.value)
     # symlinked directory escaping the root
     os.symlink(outside / "evil", root / "link")
     with pytest.raises(RequestError, match="outside the configured adapter roots"):
@@ -144,7 +144,7 @@ def test_resolve_on_first_use_in_background(root, monkeypatch):
     assert time.time() - t0 < 1.0
     assert not ref.ready and ref.error is None and not reg.activate(ref)
     assert reg.list()[0]["state"] == "loading"
-    assert ref.cache_key == ref2.cache_key
+    assert ref.version == ref2.version
     gate.set()
     ready(reg, ref)
     assert ref2.ready and reg.activate(ref) and reg.activate(ref2)
@@ -194,7 +194,7 @@ def test_load_errors_and_future(root):
     reg = make_reg([root])
     with pytest.raises(RequestError, match="NaN or Inf") as ei:
         reg.load("n", "nan")
-    assert ei.value.field == "path" and "n" not in [d["name"] for d in reg.list()]
+    assert ei.value.field == "lora_path" and "n" not in [d["name"] for d in reg.list()]
     fut = reg.load("a", "a", wait=False)
     info = fut.result(10)
     assert info["state"] == "host" and info["rank"] == 2 and info["target_modules"] == ["q_proj", "v_proj"]
@@ -230,7 +230,7 @@ def test_lru_eviction_pinning_and_identical_reload(root):
         ad(root, n, seed=i, r=3)
     reg = make_reg([root], rows=9)  # room for three rank-3 adapters
     ra, rb, rc = get(reg, "a"), get(reg, "b"), get(reg, "c")
-    key_a = ra.cache_key
+    key_a = ra.version
     snap_a = reg.pool.read(ra.row_start, 3)
     ref_d = ready(reg, reg.acquire("d"))
     assert not reg.activate(ref_d)  # everything pinned by active refs
@@ -246,7 +246,7 @@ def test_lru_eviction_pinning_and_identical_reload(root):
     assert reg.activate(rb)
     assert {d["name"]: d["state"] for d in reg.list()}["a"] == "host"
     assert reg.activate(ra)  # back: evicts c (LRU); identical rows, identical cache key
-    assert ra.cache_key == key_a
+    assert ra.version == key_a
     a2, b2 = reg.pool.read(ra.row_start, 3)
     for g in snap_a[0]:
         assert torch.equal(a2[g], snap_a[0][g]) and torch.equal(b2[g], snap_a[1][g])
@@ -263,7 +263,7 @@ def test_host_cache_limit_and_reread_from_disk(root):
     reg = make_reg([root], rows=4, max_host_adapters=1)
     loads0 = reg.num_disk_loads
     ra = get(reg, "a")
-    key_a = ra.cache_key
+    key_a = ra.version
     snap = reg.pool.read(ra.row_start, 4)
     reg.release(ra)
     rb = get(reg, "b")  # evicts a to host
@@ -275,7 +275,7 @@ def test_host_cache_limit_and_reread_from_disk(root):
     ra = reg.acquire("a")
     assert not ra.ready or reg.num_disk_loads > loads0 + 3
     ready(reg, ra)
-    assert reg.activate(ra) and ra.cache_key == key_a
+    assert reg.activate(ra) and ra.version == key_a
     a2, b2 = reg.pool.read(ra.row_start, 4)
     assert all(torch.equal(a2[g], snap[0][g]) and torch.equal(b2[g], snap[1][g]) for g in a2)
     reg.release(ra)
@@ -293,7 +293,7 @@ def test_host_cache_limit_and_reread_from_disk(root):
     reg.release(ra)
     reg.reload("a")
     ra = get(reg, "a")
-    assert ra.cache_key != key_a
+    assert ra.version != key_a
     reg.release(ra)
     reg.close()
 
@@ -307,14 +307,14 @@ def test_reload_keeps_in_flight_version(root):
     old_rows = reg.pool.read(old.row_start, 2)
     ad(root, "x2", seed=2, r=3, targets=("o_proj",))
     info = reg.reload("x", "x2")
-    assert info["version"] != old.cache_key and info["rank"] == 3
+    assert info["version"] != old.version and info["rank"] == 3
     new = get(reg, "x")
-    assert new.cache_key == info["version"] and new.cache_key != old.cache_key
+    assert new.version == info["version"] and new.version != old.version
     assert old.row_start != new.row_start and rows_equal_host(reg, new) and rows_equal_host(reg, old)
     a, b = reg.pool.read(old.row_start, 2)
     assert all(torch.equal(a[g], old_rows[0][g]) for g in a)
     # the waiting request still gets the old weights
-    assert reg.activate(waiting_old) and waiting_old.cache_key == old.cache_key and waiting_old.row_start == old.row_start
+    assert reg.activate(waiting_old) and waiting_old.version == old.version and waiting_old.row_start == old.row_start
     assert reg.info()["versions"] == 2
     reg.release(old)
     assert reg.info()["versions"] == 2
@@ -322,7 +322,7 @@ def test_reload_keeps_in_flight_version(root):
     assert reg.info()["versions"] == 1
     assert reg.info()["free_rows"] == 64 - 3
     # reload with the same path also gives a new version (new prefix-cache key)
-    k = new.cache_key
+    k = new.version
     reg.release(new)
     assert reg.reload("x")["version"] != k
     reg.close()
@@ -337,13 +337,13 @@ def test_reload_in_background_switches_on_completion(root, monkeypatch):
     monkeypatch.setattr(registry_mod, "load_peft_adapter", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
     fut = reg.reload("x", wait=False)
     r1 = reg.acquire("x")  # reload not finished: still the current version
-    assert r1.ready and r1.cache_key == reg.list()[0]["version"] and reg.list()[0]["reloading"]
+    assert r1.ready and r1.version == reg.list()[0]["version"] and reg.list()[0]["reloading"]
     with pytest.raises(RequestError, match="still loading"):
         reg.reload("x")
     gate.set()
     info = fut.result(10)
     r2 = reg.acquire("x")
-    assert r2.cache_key == info["version"] != r1.cache_key
+    assert r2.version == info["version"] != r1.version
     reg.release(r1)
     reg.release(r2)
     reg.close()
@@ -361,7 +361,7 @@ def test_unload_with_running_request(root):
     assert m.row_start_cpu == [ref.row_start]
     # the directory is still under a root: a new request resolves it again, as a new version
     ref2 = ready(reg, reg.acquire("u"))
-    assert ref2.cache_key != ref.cache_key
+    assert ref2.version != ref.version
     reg.release(ref)
     reg.release(ref2)
     assert reg.info()["versions"] == 1

@@ -7,12 +7,10 @@ Models in the server:
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import queue
 import re
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,22 +39,13 @@ LIMITS = {  # config.pbtxt parameters of loom_limits
 }
 
 
-def _skip_reason() -> str | None:
-    for mod in ("tritonclient", "pytriton"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed (pip install -e .[test])"
-    return None
-
-
-needs_server = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 # ------------------------------------------------------------------ adapters and repository
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from backend.default_model import ensure_default_model
+    from harness.default_model import ensure_default_model
     return str(ensure_default_model())
 
 
@@ -116,9 +105,7 @@ def repo_dir(tmp_path_factory, adapter_root) -> Path:
 
 @pytest.fixture(scope="session")
 def server(repo_dir):
-    if _skip_reason():
-        pytest.skip(_skip_reason())
-    from tritonserver_local import LocalTritonServer
+    from harness.tritonserver import LocalTritonServer
 
     s = LocalTritonServer()
     try:
@@ -135,7 +122,7 @@ def server(repo_dir):
 
 @pytest.fixture(scope="session")
 def offline(model_dir, adapter_root):
-    from backend.llm import LLM
+    from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)], kv_cache_memory_bytes=256 << 20)
 
 
@@ -194,8 +181,8 @@ class Stream:
 
 
 def _text_only(prompt: str):
-    from soak import _tensor
-    return [_tensor("text_input", [prompt.encode()], "BYTES")]
+    from harness.triton_client import tensor
+    return [tensor("text_input", [prompt.encode()], "BYTES")]
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from backend.sampling_params import SamplingParams
-from tests.reliability.conftest import MODEL, Stream, needs_server, wait_for
+from loom.engine.sampling_params import SamplingParams
+from tests.reliability.conftest import MODEL, Stream, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "Write a haiku about the sea."]
 MAX_TOKENS = 64
@@ -18,7 +18,8 @@ class Live:
 
     def __init__(self, server, prompt: str, lora: str | None, max_tokens: int = MAX_TOKENS):
         import tritonclient.grpc as grpcclient
-        from soak import make_inputs
+
+        from harness.triton_client import make_inputs
 
         self.prompt, self.lora = prompt, lora
         self.text, self.tokens, self.error = "", 0, None
@@ -61,7 +62,6 @@ def started(reqs, timeout=120.0) -> bool:
     return wait_for(lambda: all(r.tokens >= 1 or r.done.is_set() for r in reqs), timeout, 0.02)
 
 
-@needs_server
 def test_reload_and_unload_while_streaming_each_request_keeps_its_version(server, adapter_root, refs):
     ops = Stream(server)
     live: list[Live] = []
@@ -121,7 +121,6 @@ def test_reload_and_unload_while_streaming_each_request_keeps_its_version(server
         ops.close()
 
 
-@needs_server
 def test_load_then_unload_while_requests_stream_repeatedly(server, adapter_root, refs):
     """Load, stream, unload under the streams, load again: the streams finish with the loaded weights."""
     ops = Stream(server)

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from backend.config import ConfigError
-from backend.serve_config import parse_model_parameters
-from tests.reliability.conftest import LIMITS, LIMITS_MODEL, Stream, needs_server
+from loom.errors import ConfigError
+from loom.serving.serve_config import parse_model_parameters
+from tests.reliability.conftest import LIMITS, LIMITS_MODEL, Stream
 
 
 def _inputs(prompt="Hello", params=None, **kw):
-    from soak import make_inputs
+    from harness.triton_client import make_inputs
     return make_inputs(prompt, params, **kw)
 
 
@@ -46,7 +46,6 @@ def limited(server):
     s.close()
 
 
-@needs_server
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_each_bound_is_refused_with_a_named_error(limited, case):
     _, kw, req_params, expect = case
@@ -57,7 +56,6 @@ def test_each_bound_is_refused_with_a_named_error(limited, case):
     assert time.monotonic() - t0 < 10, "a refusal must be immediate"
 
 
-@needs_server
 def test_within_bounds_is_served_after_all_refusals(limited):
     # 20 prompt tokens + 8 generated fit the 32-token cache; asked for more, it ends by length at the cap
     text, err, _ = limited.request(_inputs(None, {"max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -87,8 +85,8 @@ def test_bounds_are_config_keys_with_defaults_and_ranges():
 
 
 def test_oversized_json_is_refused_before_it_is_parsed():
-    from backend.outputs import RequestError
-    from backend.request_parser import Limits, load_parameters
+    from loom.errors import RequestError
+    from loom.serving.request_parser import Limits, load_parameters
 
     huge = "[" * 10 ** 6  # would be slow (or recurse deeply) to parse
     t0 = time.monotonic()

@@ -15,10 +15,10 @@ import weakref
 import numpy as np
 import pytest
 
-from backend.async_engine import AsyncEngine
-from backend.config import EngineConfig
-from backend.outputs import RequestError
-from backend.sampling_params import SamplingParams
+from loom.engine.config import EngineConfig
+from loom.engine.sampling_params import SamplingParams
+from loom.errors import RequestError
+from loom.serving.async_engine import AsyncEngine
 from tests.reliability.conftest import Collector
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -28,7 +28,7 @@ TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K,V) * block_size * kv_h
 
 
 def engine(tiny_model_dir, **kw):
-    from backend.engine import LLMEngine
+    from loom.engine.llm_engine import LLMEngine
     kw.setdefault("kv_cache_memory_bytes", 256 * TINY_BLOCK_BYTES)
     return LLMEngine(EngineConfig(model=tiny_model_dir, device="cpu", **kw))
 
@@ -298,12 +298,12 @@ def fake_pb_utils():
 @pytest.fixture
 def model_py(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake_pb_utils())
-    sys.modules.pop("backend.model", None)
-    import backend.model as model_py
+    sys.modules.pop("loom.model", None)
+    import loom.model as model_py
     handlers = list(logging.getLogger("loom").handlers)
     yield model_py
     logging.getLogger("loom").handlers[:] = handlers
-    sys.modules.pop("backend.model", None)
+    sys.modules.pop("loom.model", None)
 
 
 def test_finalize_with_streams_open_fails_them_and_releases_the_engine(model_py, tiny_model_dir, tmp_path):

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.lora.adapter_registry import resolve_adapter_path, validate_adapter_name
-from backend.outputs import RequestError
-from backend.request_parser import resolve_adapter_path as resolve_lora_path
-from tests.reliability.conftest import REPO, needs_server
+from loom.errors import RequestError
+from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
+from tests.reliability.conftest import REPO
 
 GEN = {"max_tokens": 2, "temperature": 0}
 
@@ -45,22 +44,38 @@ def test_registry_paths_stay_inside_the_roots(adapter_root, outside_dir):
 
 
 def test_management_paths_stay_inside_the_roots(adapter_root, outside_dir):
-    roots = [str(adapter_root)]
-    assert resolve_lora_path("robot", None, roots) == str((adapter_root / "robot").resolve())
-    for path in (str(outside_dir / "stolen"), "../" + outside_dir.name, "/", str(adapter_root / "evil")):
+    """Adapter management (load with an explicit lora_path, or the default <root>/<name>) goes through the
+    same rule: the registry's."""
+    import torch
+    from transformers import AutoConfig
+
+    from harness.default_model import ensure_default_model
+    from harness.lora import holder_model
+    from loom.engine.config import EngineConfig
+    from loom.lora import AdapterRegistry, LoraModelSpec
+
+    cfg = AutoConfig.from_pretrained(str(ensure_default_model()))
+    row = LoraModelSpec.from_hf_config(cfg).bytes_per_row(torch.float32)
+    reg = AdapterRegistry(EngineConfig(adapter_roots=[str(adapter_root)], lora_memory_bytes=64 * row),
+                          holder_model(cfg), "cpu", torch.float32)
+    try:
+        assert reg.load("robot")["path"] == str((adapter_root / "robot").resolve())
+        for path in (str(outside_dir / "stolen"), "../" + outside_dir.name, "/", str(adapter_root / "evil")):
+            with pytest.raises(RequestError) as ei:
+                reg.load("x", path)
+            assert ei.value.field == "lora_path", path
         with pytest.raises(RequestError) as ei:
-            resolve_lora_path("x", path, roots)
-        assert ei.value.field == "lora_path", path
-    with pytest.raises(RequestError) as ei:
-        resolve_lora_path("evil", None, roots)  # the default <root>/<name> may not be a symlink out either
-    assert ei.value.field == "lora_name"
+            reg.load("evil")  # the default <root>/<name> may not be a symlink out either
+        assert ei.value.field == "lora_name"
+    finally:
+        reg.close()
 
 
 def test_pickle_only_adapter_is_refused(adapter_root):
-    from backend.lora.peft_loader import AdapterLoadError, LoraModelSpec, load_peft_adapter
     from transformers import AutoConfig
 
-    from backend.default_model import ensure_default_model
+    from harness.default_model import ensure_default_model
+    from loom.lora.peft_loader import AdapterLoadError, LoraModelSpec, load_peft_adapter
 
     spec = LoraModelSpec.from_hf_config(AutoConfig.from_pretrained(str(ensure_default_model())))
     import torch
@@ -85,7 +100,7 @@ def test_trust_remote_code_is_never_enabled():
 
 
 def test_weights_are_loaded_from_safetensors_only(tmp_path):
-    from backend.models.loader import ModelLoadError, safetensors_files
+    from loom.models.loader import ModelLoadError, safetensors_files
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")
@@ -95,7 +110,6 @@ def test_weights_are_loaded_from_safetensors_only(tmp_path):
 
 # ------------------------------------------------------------------ through the server
 
-@needs_server
 @pytest.mark.parametrize("lora_name, expect", [
     ("../x", "lora_name: invalid adapter name '../x'"),
     ("/etc", "lora_name: invalid adapter name '/etc'"),
@@ -105,7 +119,7 @@ def test_weights_are_loaded_from_safetensors_only(tmp_path):
     ("binonly", "lora_name:"),
 ])
 def test_requests_cannot_name_adapters_outside_the_roots(stream, lora_name, expect):
-    from soak import make_inputs
+    from harness.triton_client import make_inputs
 
     text, err, _ = stream.request(make_inputs("Hello", dict(GEN, lora_name=lora_name)))
     assert err is not None and err.startswith(expect), err
@@ -113,7 +127,6 @@ def test_requests_cannot_name_adapters_outside_the_roots(stream, lora_name, expe
         assert "safetensors" in err or "adapter_model.bin" in err, err
 
 
-@needs_server
 def test_adapter_ops_cannot_load_from_outside_the_roots(stream, adapter_root, outside_dir):
     for path in (str(outside_dir / "stolen"), "../" + outside_dir.name + "/stolen", "/etc", str(adapter_root / "evil")):
         res, err = stream.adapter_op("load", "x", path)

@@ -15,16 +15,16 @@ import signal
 import threading
 import time
 
-from tests.reliability.conftest import MODEL, needs_server, write_model
+from tests.reliability.conftest import MODEL, write_model
 
 EXIT_TIMEOUT_S = 20
 
 
-@needs_server
 def test_sigterm_with_a_stream_open_exits_within_the_timeout_once_the_client_goes(tmp_path_factory):
     import tritonclient.grpc as grpcclient
-    from soak import make_inputs
-    from tritonserver_local import LocalTritonServer
+
+    from harness.triton_client import make_inputs
+    from harness.tritonserver import LocalTritonServer
 
     repo = tmp_path_factory.mktemp("shutdown_repo")
     write_model(repo, MODEL, {"adapter_roots": "", "kv_cache_memory_bytes": "64MiB", "lora_memory_bytes": "16MiB",

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import time
 
-from tests.reliability.conftest import needs_server
 
-
-@needs_server
 def test_soak_200_streams_cancellation_storm_and_adapter_churn(server, offline, adapter_root, model_dir):
     from soak import SoakConfig, format_report, offline_references, run_soak
 

@@ -1,0 +1,74 @@
+"""Engine configuration: one dataclass, validated once, with errors that say which field to fix."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from loom.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # HF model directory; empty = the default model (built offline once)
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16/fp16) on CUDA
+    device: str = "auto"  # auto: cuda if available else cpu
+    block_size: int = 16
+    # KV memory: a byte budget on CPU; on CUDA a fraction of total GPU memory (after profiling) unless bytes given.
+    kv_cache_memory_bytes: int = 0  # 0 = derive (CPU: 1 GiB)
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0 = model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    # LoRA
+    adapter_roots: list[str] = field(default_factory=list)
+    max_lora_rank: int = 64
+    lora_memory_bytes: int = 256 << 20  # device pool of rank rows for resident adapters
+    max_host_adapters: int = 64  # adapters kept in (pinned) host memory after eviction from the device
+    # Bounds on requests
+    max_prompt_tokens: int = 0  # 0 = max_model_len - 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(name, msg)
+
+        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes >= 0, "kv_cache_memory_bytes", "must be an integer >= 0 (0 = automatic)")
+        check(0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization", f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        check(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096, "max_num_seqs", f"must be in [1, 4096], got {self.max_num_seqs!r}")
+        check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be an integer >= 1")
+        check(isinstance(self.max_model_len, int) and self.max_model_len >= 0, "max_model_len", "must be an integer >= 0 (0 = the model's)")
+        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 256, "max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank!r}")
+        check(isinstance(self.lora_memory_bytes, int) and self.lora_memory_bytes >= 0, "lora_memory_bytes", "must be an integer >= 0")
+        check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
+        check(isinstance(self.adapter_roots, list) and all(isinstance(r, str) for r in self.adapter_roots), "adapter_roots", "must be a list of directory paths")
+        for r in self.adapter_roots:
+            check(os.path.isdir(r), "adapter_roots", f"{r!r} is not an existing directory")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,59 @@
+"""Per-request state inside the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    adapter: Any = None  # AdapterRef from the adapter registry, or None (the base model)
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)  # prompt + output
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    ever_scheduled: bool = False
+    max_total_tokens: int = 1 << 62  # prompt + output cap (max_model_len, KV capacity)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def adapter_version(self) -> int:
+        """Distinguishes prefix-cache entries computed with different adapter weights (0 = base model)."""
+        return self.adapter.version if self.adapter is not None else 0

@@ -1,0 +1,158 @@
+"""loom_* metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
+
+`pb_utils` is passed in (only backend/model.py imports triton_python_backend_utils) and the families
+must be created inside `initialize()`. Each metric call is an IPC round trip to the server, so the
+engine loop never makes one: it hands stats to `on_step` / `on_request_finished` (cheap, under a lock)
+and one thread applies them, coalescing gauge updates to at most one set per `interval_s`.
+Rules that keep Triton 2.51 alive: counters only get positive increments, gauges only `set`, and
+`value()` is never called on a histogram.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from loom.engine.outputs import EngineStats
+from loom.serving.async_engine import RequestTiming
+
+log = logging.getLogger("loom.metrics")
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort", "cancelled", "timeout", "error", "rejected")
+
+
+def buckets_1_2_5(limit: int) -> list[float]:
+    out, m = [], 1
+    while True:
+        for k in (1, 2, 5):
+            v = k * m
+            if v > limit:
+                return out
+            out.append(float(v))
+        m *= 10
+
+
+class LoomMetrics:
+    """Implements async_engine.Observer."""
+
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int = 8192, interval_s: float = 0.05):
+        MF = pb_utils.MetricFamily
+        # Families must outlive their metrics: a collected family makes every later call fail.
+        self._families: list = []
+
+        def family(name: str, desc: str, kind):
+            self._families.append(MF(name=name, description=desc, kind=kind))
+            return self._families[-1]
+
+        def counter(name, desc):
+            return family(name, desc, MF.COUNTER).Metric(labels=labels)
+
+        def gauge(name, desc):
+            return family(name, desc, MF.GAUGE).Metric(labels=labels)
+
+        def hist(name, desc, buckets):
+            return family(name, desc, MF.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+        self.prompt_tokens = counter("loom_prompt_tokens_total", "Number of prompt tokens processed (prefill).")
+        self.generation_tokens = counter("loom_generation_tokens_total", "Number of tokens generated.")
+        finished = family("loom_request_finished_total", "Requests finished, by reason.", MF.COUNTER)
+        self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
+        self.ttft = hist("loom_time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.tpot = hist("loom_time_per_output_token_seconds",
+                         "Mean time per output token after the first, one observation per request.", TPOT_BUCKETS)
+        self.e2e = hist("loom_e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        lengths = buckets_1_2_5(max(max_model_len, 1))
+        self.prompt_len = hist("loom_request_prompt_tokens", "Prompt length of finished requests.", lengths)
+        self.gen_len = hist("loom_request_generation_tokens", "Generated tokens of finished requests.", lengths)
+        self.running = gauge("loom_num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("loom_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_used = gauge("loom_kv_blocks_used", "KV cache blocks in use.")
+        self.kv_total = gauge("loom_kv_blocks_total", "KV cache blocks in the pool.")
+        self.kv_usage = gauge("loom_kv_cache_usage_perc", "KV cache usage, 1 = full.")
+        self.prefix_hit = gauge("loom_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.")
+        self.adapters = gauge("loom_resident_adapters", "LoRA adapters resident in device memory.")
+        self.preemptions = gauge("loom_num_preemptions", "Preemptions since start.")
+
+        self.interval_s = interval_s
+        self._cond = threading.Condition()
+        self._stats: EngineStats | None = None
+        self._prompt = self._gen = 0
+        self._done: list[RequestTiming] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="loom-metrics", daemon=True)
+        self._thread.start()
+
+    # Observer (loop thread): only record, never call into Triton here.
+    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int) -> None:
+        with self._cond:
+            self._stats = stats
+            self._prompt += prompt_tokens
+            self._gen += generation_tokens
+            self._cond.notify()
+
+    def on_request_finished(self, timing: RequestTiming) -> None:
+        with self._cond:
+            self._done.append(timing)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stats is not None or self._done or self._prompt or self._gen or self._stopping):
+                    self._cond.wait()
+                stats, self._stats = self._stats, None
+                prompt, gen, self._prompt, self._gen = self._prompt, self._gen, 0, 0
+                done, self._done = self._done, []
+                stopping = self._stopping
+            try:
+                self._apply(stats, prompt, gen, done)
+            except Exception:
+                log.error("metrics update failed:\n%s", traceback.format_exc())
+            if stopping:
+                return
+            time.sleep(self.interval_s)  # coalesce: one update per interval however fast the engine steps
+
+    def _apply(self, stats: EngineStats | None, prompt: int, gen: int, done: list[RequestTiming]) -> None:
+        if prompt > 0:
+            self.prompt_tokens.increment(prompt)
+        if gen > 0:
+            self.generation_tokens.increment(gen)
+        for t in done:
+            if t.error_kind == "invalid":  # refused by the engine (unknown adapter, prompt too long): no latency
+                self.finished["rejected"].increment(1)
+                continue
+            reason = t.error_kind if t.error_kind in ("cancelled", "timeout") else (
+                "error" if t.error_kind else (t.finish_reason if t.finish_reason in FINISH_REASONS else "abort"))
+            self.finished[reason].increment(1)
+            self.e2e.observe(max(0.0, t.finished - t.arrival))
+            self.prompt_len.observe(float(t.num_prompt_tokens))
+            self.gen_len.observe(float(t.num_output_tokens))
+            if t.first_token is not None:
+                self.ttft.observe(max(0.0, t.first_token - t.arrival))
+                if t.num_output_tokens > 1:
+                    self.tpot.observe(max(0.0, (t.finished - t.first_token) / (t.num_output_tokens - 1)))
+        if stats is not None:
+            self.running.set(float(stats.num_running))
+            self.waiting.set(float(stats.num_waiting))
+            self.kv_used.set(float(stats.kv_blocks_used))
+            self.kv_total.set(float(stats.kv_blocks_total))
+            self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+            self.prefix_hit.set(float(stats.prefix_hit_rate))
+            self.adapters.set(float(stats.resident_adapters))
+            self.preemptions.set(float(stats.num_preemptions))
+
+    def close(self, timeout: float = 2.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        # Metric objects must go before their families (the server refuses the other order).
+        for name in [k for k, v in vars(self).items() if k not in ("_families", "_thread", "_cond")
+                     and (hasattr(v, "increment") or isinstance(v, dict))]:
+            delattr(self, name)
+        self._families.clear()

@@ -1,0 +1,123 @@
+"""config.pbtxt `parameters` -> EngineConfig + the serving options around it. Pure Python (testable).
+
+Every key is typed by the dataclass field it sets; an unknown key or a bad value stops the model load
+with a message naming the key (a typo must not silently fall back to a default). Keys in UPPER_CASE
+belong to Triton or the Python backend (EXECUTION_ENV_PATH, ...) and are left alone.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from loom.engine.config import EngineConfig
+from loom.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
+from loom.errors import ConfigError, RequestError
+from loom.serving.request_parser import Limits, to_bool, to_float, to_int
+
+
+@dataclass
+class ServeOptions:
+    max_queue_size: int = 256  # requests without a first token yet; more are refused with "overload"
+    default_request_timeout_s: float = 0.0  # 0 = no deadline unless the request sets request_timeout_s
+    max_request_timeout_s: float = 0.0  # 0 = no cap on request_timeout_s
+    max_tokens_limit: int = 0  # cap on max_tokens (0 = only the context length)
+    max_logprobs: int = 20
+    max_prompt_chars: int = 1 << 20
+    max_stop_items: int = MAX_STOP_ITEMS  # entries in `stop` and in `stop_token_ids` (at most 16)
+    max_stop_chars: int = MAX_STOP_STRING_CHARS  # characters per stop string (at most 256)
+    max_parameters_bytes: int = 1 << 16  # size of the sampling_parameters JSON and of the request parameters
+    shutdown_timeout_s: float = 10.0  # finalize(): how long to wait for the engine loop and the senders
+    sender_threads: int = 1
+    metrics: bool = True  # loom_* metric families on Triton's metrics port
+
+
+@dataclass
+class ServeConfig:
+    engine: EngineConfig
+    options: ServeOptions = field(default_factory=ServeOptions)
+
+    @property
+    def limits(self) -> Limits:
+        o = self.options
+        return Limits(o.max_tokens_limit, o.max_logprobs, o.max_prompt_chars, o.max_request_timeout_s,
+                      o.max_stop_items, o.max_stop_chars, o.max_parameters_bytes)
+
+
+_ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
+_OPTION_TYPES = {f.name: f.type for f in fields(ServeOptions)}
+
+
+def _convert(key: str, typ: str, raw: str, base_dir: str):
+    try:
+        if typ == "int":
+            return to_int(key, _size(raw))
+        if typ == "float":
+            return to_float(key, raw)
+        if typ == "bool":
+            return to_bool(key, raw)
+        if typ == "list[str]":
+            return [_path(p.strip(), base_dir) for p in raw.split(",") if p.strip()]
+        return raw
+    except RequestError as e:
+        raise ConfigError(key, str(e).split(": ", 1)[1]) from None
+
+
+def _size(raw: str) -> str:
+    # Memory sizes may be written as 512MiB / 2GiB; plain integers are bytes.
+    s = raw.strip()
+    for suffix, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if s.endswith(suffix):
+            try:
+                return str(int(float(s[: -len(suffix)]) * mult))
+            except ValueError:
+                return raw
+    return raw
+
+
+def _path(p: str, base_dir: str) -> str:
+    # Relative paths are relative to the model's folder in the repository, so a repository can be moved.
+    p = os.path.expandvars(os.path.expanduser(p))
+    return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
+
+
+def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
+    """`parameters`: config.pbtxt's parameters as in args["model_config"] ({key: {"string_value": v}})."""
+    eng_kwargs: dict = {}
+    opt_kwargs: dict = {}
+    for key, val in (parameters or {}).items():
+        if key.isupper():
+            continue
+        raw = val.get("string_value", "") if isinstance(val, dict) else str(val)
+        if key in _ENGINE_TYPES:
+            typ = _ENGINE_TYPES[key]
+            if raw.strip() == "" and typ != "str":
+                continue  # an empty value keeps the default
+            v = _convert(key, typ, raw, model_dir)
+            if key == "model" and v:
+                v = _path(v, model_dir)
+            eng_kwargs[key] = v
+        elif key in _OPTION_TYPES:
+            if raw.strip() == "":
+                continue
+            opt_kwargs[key] = _convert(key, _OPTION_TYPES[key], raw, model_dir)
+        else:
+            known = sorted(set(_ENGINE_TYPES) | set(_OPTION_TYPES))
+            raise ConfigError(key, f"unknown parameter; known: {', '.join(known)}")
+    opts = ServeOptions(**opt_kwargs)
+    for name, lo in (("max_queue_size", 1), ("max_logprobs", 0), ("max_prompt_chars", 1), ("sender_threads", 1),
+                     ("max_tokens_limit", 0)):
+        if getattr(opts, name) < lo:
+            raise ConfigError(name, f"must be >= {lo}, got {getattr(opts, name)}")
+    # SamplingParams enforces hard caps itself: a larger configured value would be silently ineffective.
+    for name, lo, hi in (("max_logprobs", 0, MAX_LOGPROBS), ("max_stop_items", 0, MAX_STOP_ITEMS),
+                         ("max_stop_chars", 1, MAX_STOP_STRING_CHARS), ("max_parameters_bytes", 256, 1 << 24)):
+        if not lo <= getattr(opts, name) <= hi:
+            raise ConfigError(name, f"must be in [{lo}, {hi}], got {getattr(opts, name)}")
+    if opts.shutdown_timeout_s <= 0:
+        raise ConfigError("shutdown_timeout_s", f"must be > 0 seconds, got {opts.shutdown_timeout_s}")
+    for name in ("default_request_timeout_s", "max_request_timeout_s"):
+        if getattr(opts, name) < 0:
+            raise ConfigError(name, f"must be >= 0 seconds, got {getattr(opts, name)}")
+    if opts.sender_threads > 64:
+        raise ConfigError("sender_threads", f"must be in [1, 64], got {opts.sender_threads}")
+    return ServeConfig(EngineConfig(**eng_kwargs), opts)

@@ -1,0 +1,239 @@
+"""Shared kernel test cases: build fresh random inputs, run a Triton kernel and its reference, compare.
+
+Used by the pytest files here (CPU, TRITON_INTERPRET=1, float32/float16) and by scripts/gpu_check.py
+(CUDA, float16/bfloat16). Each check_* takes (dtype, device, **case) and returns the relative error;
+it raises AssertionError when the error is over tolerance or the output is not finite.
+The oracle is always the reference evaluated in float32 on the same (rounded) inputs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loom.kernels import activation, kv_store, lora, norm, rotary
+
+# the attention modules share their names with the dispatch functions exported by kernels/__init__
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from loom.layers.forward_context import LoraBatchMeta
+
+# relative error of the norm: ||out - ref|| / ||ref||
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out, ref, dtype, what=""):
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten element?)"
+    err = rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: rel err {err:.3g} > {TOL[dtype]:.3g} ({dtype})"
+    return err
+
+
+def rnd(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def poison(*shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged KV cache fixtures
+
+
+def make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, spare_blocks=3):
+    """Random K/V for each sequence in shuffled blocks; every slot not holding a token is NaN."""
+    nblk = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(nblk) + spare_blocks
+    perm = torch.randperm(num_blocks).tolist()  # non-contiguous, shuffled block tables
+    width = max(nblk + [1]) + 1  # one padding column more than needed
+    bt = torch.zeros((len(seq_lens), width), dtype=torch.int32)
+    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    for s, n in enumerate(seq_lens):
+        blocks = [perm.pop() for _ in range(nblk[s])]
+        bt[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        for p in range(n):
+            kc[blocks[p // block_size], p % block_size] = torch.randn(kvh, d)
+            vc[blocks[p // block_size], p % block_size] = torch.randn(kvh, d)
+    to = dict(device=device)
+    return (kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to), bt.to(**to),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# checks
+
+
+def check_store_kv(dtype, device, T=10, kvh=3, d=64, block_size=16, num_blocks=4):
+    qkv = rnd(T, (2 + 2 * kvh) * d, dtype=dtype, device=device)  # k/v as strided views of a fused output
+    k = qkv[:, 2 * d:(2 + kvh) * d].view(T, kvh, d)
+    v = qkv[:, (2 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[torch.randperm(T)[:3]] = -1
+    slots = slots.to(device)
+    kc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    vc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kv_store.store_kv_triton(k, v, kc, vc, slots)
+    kv_store.store_kv_ref(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2), "store_kv mismatch"
+    return 0.0
+
+
+def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None):
+    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device)
+    q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device)
+    scale = d ** -0.5
+    out = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n)
+    ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale)
+    return assert_close(out.float(), ref, dtype, "paged_decode_attention")
+
+
+def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device):
+    q_lens = [a for a, _ in q_and_seq_lens]
+    kc, vc, bt, sl = make_paged_cache([b for _, b in q_and_seq_lens], block_size, kvh, d, dtype, device)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    q = rnd(sum(q_lens), heads, d, dtype=dtype, device=device)
+    return q, kc, vc, cu, sl, bt, max(q_lens)
+
+
+def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None):
+    q, kc, vc, cu, sl, bt, max_q = prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device)
+    scale = d ** -0.5
+    out = poison(*q.shape, dtype=dtype, device=device)
+    paged_prefill_attention_triton(q, kc, vc, cu, sl, bt, max_q, scale, out=out, block_m=block_m, block_n=block_n)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale)
+    return assert_close(out.float(), ref, dtype, "paged_prefill_attention")
+
+
+def check_norm(dtype, device, T=7, n=96, residual=True):
+    x = rnd(T, n, dtype=dtype, device=device)
+    res = rnd(T, n, dtype=dtype, device=device) if residual else None
+    w = rnd(n, dtype=dtype, device=device, scale=0.5) + 1
+    out, res_out = norm.fused_add_rms_norm_triton(x, res, w, 1e-6)
+    ref, ref_res = norm.fused_add_rms_norm_ref(x.float(), None if res is None else res.float(), w.float(), 1e-6)
+    # the residual sum is rounded to dtype before normalising: compare against the rounded sum
+    ref = norm.fused_add_rms_norm_ref(ref_res.to(dtype).float(), None, w.float(), 1e-6)[0]
+    assert_close(res_out.float(), ref_res, dtype, "fused_add_rms_norm residual")
+    return assert_close(out.float(), ref, dtype, "fused_add_rms_norm")
+
+
+def cos_sin_cache(max_pos, d, device, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    f = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
+    return torch.cat((f.cos(), f.sin()), dim=-1).to(device)
+
+
+def check_rotary(dtype, device, T=9, heads=9, kvh=3, d=64, max_pos=100):
+    qkv = rnd(T, (heads + 2 * kvh) * d, dtype=dtype, device=device)
+    q = qkv[:, :heads * d].view(T, heads, d)  # strided views, as the model passes them
+    k = qkv[:, heads * d:(heads + kvh) * d].view(T, kvh, d)
+    pos = torch.randint(0, max_pos, (T,), dtype=torch.int64).to(device)
+    cs = cos_sin_cache(max_pos, d, device)
+    qr, kr = q.float().clone(), k.float().clone()
+    rotary.rotary_embedding_triton(pos, q, k, cs)
+    rotary.rotary_embedding_ref(pos, qr, kr, cs)
+    assert_close(k.float(), kr, dtype, "rotary k")
+    return assert_close(q.float(), qr, dtype, "rotary q")
+
+
+def check_silu(dtype, device, T=5, inter=100):
+    x = rnd(T, 2 * inter, dtype=dtype, device=device)
+    return assert_close(activation.silu_and_mul_triton(x).float(), activation.silu_and_mul_ref(x.float()), dtype,
+                        "silu_and_mul")
+
+
+def make_lora_meta(num_tokens, ranks, device, spare_rows=5):
+    """Adapters at shuffled places in the pool with gaps; random tokens per group; some tokens unused."""
+    G = len(ranks)
+    owner = torch.randint(-1, G, (num_tokens,))  # -1: no adapter
+    for g in range(G):  # every group gets at least one token
+        owner[g] = g
+    segs, idx = [0], []
+    for g in range(G):
+        toks = (owner == g).nonzero().squeeze(1)
+        idx.append(toks[torch.randperm(len(toks))])  # unsorted gather order
+        segs.append(segs[-1] + len(toks))
+    order = torch.randperm(G).tolist()
+    row_start, r = [0] * G, 0
+    for g in order:
+        r += int(torch.randint(0, spare_rows + 1, ()))
+        row_start[g] = r
+        r += ranks[g]
+    scal = (torch.rand(G) + 0.5).tolist()
+    meta = LoraBatchMeta(
+        token_indices=torch.cat(idx).to(device), seg_starts=torch.tensor(segs, dtype=torch.int32, device=device),
+        row_start=torch.tensor(row_start, dtype=torch.int32, device=device),
+        ranks=torch.tensor(ranks, dtype=torch.int32, device=device),
+        scalings=torch.tensor(scal, dtype=torch.float32, device=device),
+        max_rank=max(ranks), max_seg_len=max(segs[g + 1] - segs[g] for g in range(G)),
+        seg_starts_cpu=segs, row_start_cpu=row_start, ranks_cpu=list(ranks), scalings_cpu=scal)
+    return meta, r + spare_rows, owner
+
+
+def rank_mask(meta, n_slices):
+    m = torch.zeros(n_slices, meta.token_indices.shape[0], meta.max_rank, dtype=torch.bool)
+    for g, rk in enumerate(meta.ranks_cpu):
+        m[:, meta.seg_starts_cpu[g]:meta.seg_starts_cpu[g + 1], :rk] = True
+    return m
+
+
+def check_lora_shrink(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), k_in=128, n_slices=3, split_k=None):
+    meta, R, _ = make_lora_meta(num_tokens, list(ranks), device)
+    x = rnd(num_tokens, k_in, dtype=dtype, device=device)
+    a = rnd(n_slices, R, k_in, dtype=dtype, device=device, scale=k_in ** -0.5)
+    out = poison(n_slices, meta.token_indices.shape[0], meta.max_rank, dtype=torch.float32, device=device)
+    lora.lora_shrink_triton(x, a, meta, out=out, split_k=split_k)
+    ref = lora.lora_shrink_ref(x.float(), a.float(), meta)
+    m = rank_mask(meta, n_slices).to(device)
+    return assert_close(out[m], ref[m], dtype, "lora_shrink")
+
+
+def check_lora_expand(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), out_sizes=(64, 32, 32)):
+    meta, R, owner = make_lora_meta(num_tokens, list(ranks), device)
+    offs = [0] + torch.tensor(out_sizes).cumsum(0).tolist()
+    buf = rnd(len(out_sizes), meta.token_indices.shape[0], meta.max_rank, dtype=torch.float32, device=device)
+    b = rnd(R, offs[-1], dtype=dtype, device=device, scale=0.3)
+    y0 = rnd(num_tokens, offs[-1], dtype=dtype, device=device, scale=0.1)
+    y = y0.clone()
+    lora.lora_expand_triton(buf, b, offs, meta, y)
+    y_ref = lora.lora_expand_ref(buf.to(dtype).float(), b.float(), offs, meta, y0.float().clone())
+    no_adapter = (owner == -1).to(device)
+    assert torch.equal(y[no_adapter], y0[no_adapter]), "lora_expand touched a token without adapter"
+    assert_close(y.float(), y_ref, dtype, "lora_expand y")
+    return assert_close((y.float() - y0.float()), y_ref - y0.float(), dtype, "lora_expand delta")
+
+
+# name -> (check, list of cases); the pytest files parametrize over these, gpu_check runs them all
+CASES = {
+    "store_kv": (check_store_kv, [dict(), dict(kvh=1, d=128, block_size=32)]),
+    "decode": (check_decode, [
+        # group 3 (SmolLM2: 9 q heads / 3 kv heads), lengths: empty, < 1 block, 1 block, many blocks
+        dict(seq_lens=[0, 3, 16, 50], heads=9, kvh=3, d=64, block_size=16, num_splits=1),
+        dict(seq_lens=[5, 32, 70], heads=4, kvh=4, d=128, block_size=32, num_splits=1),  # group 1
+        dict(seq_lens=[1, 17, 45], heads=8, kvh=2, d=64, block_size=16, num_splits=1, block_n=16),  # group 4
+        dict(seq_lens=[0, 3, 40, 77], heads=9, kvh=3, d=64, block_size=16, num_splits=4, block_n=16),  # split
+        dict(seq_lens=[33, 64], heads=8, kvh=2, d=128, block_size=32, num_splits=3, block_n=16),  # split
+        dict(seq_lens=[20, 9], heads=4, kvh=2, d=32, block_size=8),  # auto, block size < tile
+    ]),
+    "prefill": (check_prefill, [
+        # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
+        dict(q_and_seq_lens=[(1, 5), (7, 7), (5, 23), (20, 40), (1, 33)], heads=9, kvh=3, d=64, block_size=16,
+             block_m=16, block_n=16),
+        dict(q_and_seq_lens=[(32, 32), (3, 35), (1, 1)], heads=4, kvh=4, d=128, block_size=32, block_m=16),
+        dict(q_and_seq_lens=[(16, 16), (9, 50), (1, 17)], heads=8, kvh=2, d=64, block_size=16),  # group 4
+    ]),
+    "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
+    "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
+    "silu_and_mul": (check_silu, [dict()]),
+    "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
+    "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
+}

@@ -1,0 +1,237 @@
+"""Tiny random Llama models and PEFT adapters for the LoRA tests, and an HF-based mixed-batch LoRA forward.
+
+`MixedLoraHF` runs a transformers LlamaForCausalLM whose q/k/v/o/gate/up/down projections get the
+multi-LoRA delta from the registry's pools through the real kernels (`kernels.lora_shrink/expand`),
+with tokens grouped by `build_lora_meta` — i.e. everything of the LoRA path except the engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from loom.lora import LoraModelSpec, build_lora_meta
+
+PROJ_GROUP = {
+    "q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1), "v_proj": ("self_attn", "qkv_proj", 2),
+    "o_proj": ("self_attn", "o_proj", 0),
+    "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
+    "down_proj": ("mlp", "down_proj", 0),
+}
+
+
+def tiny_llama_config(vocab=256, layers=2, hidden=64, inter=128, heads=4, kv_heads=2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                       max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_tiny_llama(path: str, seed: int = 0, **kw) -> str:
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**kw)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf(model_dir: str):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def make_peft_adapter(model_dir: str, out_dir: str, seed: int, r: int = 4, alpha: float = 8,
+                      target_modules=("q_proj", "v_proj"), scale: float = 1.0, **lora_kw) -> str:
+    """Save a PEFT adapter with non-zero B (PEFT initialises B to zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_hf(model_dir)
+    torch.manual_seed(seed)
+    tm = target_modules if isinstance(target_modules, str) else list(target_modules)
+    pm = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=tm, init_lora_weights=False, **lora_kw))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn_like(p) * scale / max(p.shape[-1], 1) ** 0.5)
+    pm.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_raw_adapter(out_dir: str, cfg, seed: int, r: int, alpha: float, target_modules, dtype=torch.float32,
+                      extra_config: dict | None = None, extra_tensors: dict | None = None, scale: float = 1.0) -> str:
+    """Write a PEFT-format adapter directly (fast; for many adapters and malformed cases)."""
+    from safetensors.torch import save_file
+
+    spec = LoraModelSpec.from_hf_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for proj in target_modules:
+            block = PROJ_GROUP[proj][0]
+            in_f, out_f = spec.proj_shape(proj)
+            pre = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+            tensors[f"{pre}.lora_A.weight"] = (torch.randn(r, in_f, generator=g) * scale / in_f ** 0.5).to(dtype)
+            tensors[f"{pre}.lora_B.weight"] = (torch.randn(out_f, r, generator=g) * scale / r ** 0.5).to(dtype)
+    tensors.update(extra_tensors or {})
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    conf = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(target_modules),
+            "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {}, "task_type": "CAUSAL_LM"}
+    conf.update(extra_config or {})
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(conf, f)
+    return out_dir
+
+
+class _Holder(nn.Module):
+    def __init__(self, in_features, output_sizes):
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.lora_a = None
+        self.lora_b = None
+
+
+class _Holders(nn.Module):
+    """Stands in for an engine model: only its LoRA-capable modules (model.layers.i.self_attn.qkv_proj ...)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        spec = LoraModelSpec.from_hf_config(cfg)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList()
+        self._modules_by_group = {}
+        for i in range(cfg.num_hidden_layers):
+            layer = nn.Module()
+            layer.self_attn = nn.Module()
+            layer.mlp = nn.Module()
+            for g in spec.groups:
+                block, name = g.path.split(".")
+                holder = _Holder(g.in_features, g.output_sizes)
+                setattr(getattr(layer, block), name, holder)
+                self._modules_by_group[(i, g.name)] = holder
+            self.model.layers.append(layer)
+
+    def lora_modules(self) -> dict:
+        return dict(self._modules_by_group)
+
+
+def holder_model(cfg) -> nn.Module:
+    """A module tree with the engine's LoRA module names/attributes and its `lora_modules()`."""
+    return _Holders(cfg)
+
+
+class MixedLoraHF:
+    """HF Llama + registry pools: batched forward/generation where each sequence has its own adapter."""
+
+    def __init__(self, hf_model, holders: nn.Module):
+        from loom.kernels import lora_expand, lora_shrink
+
+        self.hf = hf_model
+        self.holders = holders
+        self.refs = None
+        self.meta = None
+        self._shrink, self._expand = lora_shrink, lora_expand
+        for i, layer in enumerate(hf_model.model.layers):
+            for proj, (block, group, si) in PROJ_GROUP.items():
+                mod = getattr(getattr(layer, block), proj)
+                holder = getattr(getattr(holders.model.layers[i], block), group)
+                mod.register_forward_hook(self._make_hook(holder, si))
+        hf_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+
+    def _pre_hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        B, L = ids.shape
+        self.meta = build_lora_meta(self.refs, [L] * B, ids.device) if self.refs is not None else None
+
+    def _make_hook(self, holder, si):
+        def hook(mod, inp, out):
+            if self.meta is None or holder.lora_a is None:
+                return out
+            x = inp[0].reshape(-1, inp[0].shape[-1])
+            y = out.reshape(-1, out.shape[-1]).clone()
+            lo = sum(holder.output_sizes[:si])
+            hi = lo + holder.output_sizes[si]
+            a = holder.lora_a[si:si + 1]
+            b = holder.lora_b[:, lo:hi]
+            buf = self._shrink(x.contiguous(), a, self.meta)
+            self._expand(buf, b.contiguous(), [0, hi - lo], self.meta, y)
+            return y.reshape(out.shape)
+        return hook
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, refs):
+        self.refs = refs
+        try:
+            return self.hf(input_ids=input_ids).logits
+        finally:
+            self.refs = None
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, refs, max_new_tokens: int = 8):
+        self.refs = refs
+        try:
+            out = self.hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True, pad_token_id=0)
+            return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores, 1)
+        finally:
+            self.refs = None
+
+
+@torch.no_grad()
+def peft_generate(model_dir: str, adapter_dir: str | None, input_ids: torch.Tensor, max_new_tokens: int = 8):
+    """Oracle: HF (+ PEFT adapter, one at a time) greedy generation -> (tokens, per-step logits)."""
+    model = load_hf(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores, 1)
+
+
+@torch.no_grad()
+def peft_greedy(model_dir: str, adapter_dir: str | None, prompts: list[list[int]], max_new_tokens: int = 8):
+    """Oracle without generate(): full-recompute greedy decoding with HF (+ PEFT adapter). No eos handling.
+    Returns per prompt (tokens, logprobs of the chosen tokens, log_softmax rows)."""
+    model = load_hf(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        toks, lps, rows = [], [], []
+        for _ in range(max_new_tokens):
+            lsm = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            t = int(lsm.argmax())
+            toks.append(t)
+            lps.append(float(lsm[t]))
+            rows.append(lsm)
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+        out.append((toks, lps, torch.stack(rows)))
+    return out
+
+
+# The mixed set of adapters both PEFT-parity tests use: ranks 1-16, different targets and options.
+ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
+    ("a1", 1, 2, ["q_proj"], {}),
+    ("a2", 2, 4, ["k_proj", "v_proj"], {}),
+    ("a3", 4, 8, ["o_proj"], {"use_rslora": True}),
+    ("a4", 8, 8, ["gate_proj", "up_proj"], {}),
+    ("a5", 16, 32, ["down_proj"], {}),
+    ("a6", 3, 5, "all-linear", {}),
+    ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
+    ("a8", 5, 7, ["up_proj", "k_proj"], {"layers_to_transform": [1]}),
+    ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
+]

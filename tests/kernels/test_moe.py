@@ -1,0 +1,132 @@
+"""kernels/moe.py: the reference against a float64 per-token loop, the Triton launcher (interpreter) against the
+reference in float32 / float16, and the align step's invariants."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness.kernel_cases import assert_close
+from loom.kernels.moe import _block_sizes, fused_moe_ref, fused_moe_triton, moe_align
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
+
+DTYPES = [torch.float32, torch.float16]  # bfloat16: GPU only (the interpreter's bf16 dot is wrong)
+
+# (id, T, E, K, H, I, routing, extra); H/I deliberately not multiples of the 64-wide blocks
+CASES = [
+    ("top1", 37, 8, 1, 96, 80, "random", {}),
+    ("top2", 37, 8, 2, 96, 80, "random", {}),
+    ("top8-E8", 20, 8, 8, 96, 80, "random", {"block_m": 32}),
+    ("top8-E64", 11, 64, 8, 40, 24, "random", {}),  # 88 pairs over ~50 experts, most tiles nearly empty
+    ("decode-T1-E64", 1, 64, 2, 96, 80, "random", {}),
+    ("T0", 0, 8, 2, 96, 80, "random", {}),
+    ("empty-experts", 37, 8, 2, 96, 80, "skip", {}),  # experts 2 and 5 get nothing
+    ("one-expert", 37, 8, 1, 96, 80, "one", {}),  # 37 pairs over 3 tiles of one expert
+    ("one-expert-dup-k2", 19, 8, 2, 96, 80, "one", {}),  # both k slots of every token on the same expert
+    ("uneven", 37, 8, 2, 96, 80, "skewed", {}),
+    ("E1", 9, 1, 1, 96, 80, "random", {}),
+    ("small-HI", 13, 4, 2, 40, 24, "random", {}),  # BLOCK_N 32 for I, H below one K block
+    ("block_m64", 37, 8, 2, 96, 80, "skewed", {"block_m": 64}),
+]
+
+
+def make_routing(T, E, K, kind, gen):
+    if kind == "one":
+        ids = torch.full((T, K), E - 2 if E > 1 else 0, dtype=torch.long)
+    else:
+        logits = torch.rand(T, E, generator=gen)
+        if kind == "skip":
+            logits[:, [2, 5]] = -1.0
+        elif kind == "skewed":  # expert 0 takes almost everything, a few others a little
+            logits += torch.linspace(3.0, 0.0, E)
+        ids = logits.topk(K, dim=1).indices
+    weights = torch.softmax(torch.randn(T, K, generator=gen), dim=1)
+    return weights, ids
+
+
+def make_inputs(T, E, K, H, I, kind, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(dtype)
+    weights, ids = make_routing(T, E, K, kind, gen)
+    ids = ids.to(torch.int32 if seed % 2 else torch.int64)  # both index dtypes
+    return x, w13, w2, weights, ids
+
+
+def naive(x, w13, w2, weights, ids):
+    """float64, every (token, k) with its own gathered expert weights: no sorting, no grouping."""
+    I = w2.shape[2]
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    out = torch.zeros_like(x)
+    for k in range(ids.shape[1]):
+        e = ids[:, k].long()
+        gu = torch.einsum("tnh,th->tn", w13[e], x)
+        out += weights[:, k, None] * torch.einsum("thi,ti->th", w2[e], F.silu(gu[:, :I]) * gu[:, I:])
+    return out
+
+
+def _params():
+    for i, (name, T, E, K, H, I, kind, extra) in enumerate(CASES):
+        for dt in DTYPES:
+            yield pytest.param(T, E, K, H, I, kind, extra, dt, 1000 + 2 * i + (dt == torch.float16),
+                               id=f"{name}-{str(dt).split('.')[-1]}")
+
+
+@pytest.mark.parametrize("T,E,K,H,I,kind,extra,dtype,seed", list(_params()))
+def test_ref_vs_naive(T, E, K, H, I, kind, extra, dtype, seed):
+    x, w13, w2, tw, ids = make_inputs(T, E, K, H, I, kind, dtype, seed)
+    ref = fused_moe_ref(x, w13, w2, tw, ids)
+    assert ref.dtype == dtype and ref.shape == (T, H)
+    if T:
+        assert_close(ref.float(), naive(x, w13, w2, tw, ids).float(), dtype, "ref vs naive")
+
+
+@pytest.mark.parametrize("T,E,K,H,I,kind,extra,dtype,seed", list(_params()))
+def test_triton_vs_ref(T, E, K, H, I, kind, extra, dtype, seed, monkeypatch):
+    x, w13, w2, tw, ids = make_inputs(T, E, K, H, I, kind, dtype, seed)
+    ref = fused_moe_ref(x, w13, w2, tw, ids)
+    # poison every float scratch buffer the launcher allocates, and the output
+    real_empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    res = fused_moe_triton(x, w13, w2, tw, ids, out=out, **extra)
+    monkeypatch.undo()
+    assert res.data_ptr() == out.data_ptr()
+    if T == 0:
+        assert out.shape == (0, H)
+        assert fused_moe_triton(x, w13, w2, tw, ids).shape == (0, H)
+        return
+    assert_close(out.float(), ref.float(), dtype, "triton vs ref")
+
+
+@pytest.mark.parametrize("kind,E,K,block_m", [("random", 64, 8, 16), ("skip", 8, 2, 32), ("one", 8, 1, 16),
+                                              ("skewed", 8, 2, 64), ("random", 1, 1, 16)])
+def test_align(kind, E, K, block_m):
+    T = 37
+    _, ids = make_routing(T, E, K, kind, torch.Generator().manual_seed(7))
+    P = T * K
+    sorted_ids, bexp = moe_align(ids.to(torch.int32), E, block_m)
+    assert sorted_ids.numel() == bexp.numel() * block_m
+    real = sorted_ids[sorted_ids < P]
+    assert torch.equal(real.sort().values, torch.arange(P, dtype=torch.int32))  # every pair exactly once
+    assert (sorted_ids[sorted_ids >= P] == P).all()
+    flat = ids.reshape(-1).long()
+    used = bexp >= 0
+    assert used.sum() == ((torch.bincount(flat, minlength=E) + block_m - 1) // block_m).sum()
+    assert (bexp[used].diff() >= 0).all() and not used[used.sum():].any()  # tiles in expert order, then -1
+    for b in range(int(used.sum())):
+        tile = sorted_ids[b * block_m:(b + 1) * block_m]
+        tile = tile[tile < P].long()
+        assert tile.numel() > 0 and (flat[tile] == bexp[b]).all()
+    assert (sorted_ids[int(used.sum()) * block_m:] == P).all()
+
+
+def test_block_sizes():
+    assert _block_sizes(2, 64, 4096, 1408)[0] == 16  # decode
+    assert _block_sizes(8192 * 8, 64, 4096, 1408)[0] == 64  # prefill
+    assert _block_sizes(10, 8, 40, 24)[1:3] == (32, 64)

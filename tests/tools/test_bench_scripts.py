@@ -1,0 +1,192 @@
+"""The benchmark scripts (scripts/bench_*.py) at tiny sizes: they run, print their tables, and write JSON + PNG.
+Not timed tests: the numbers are not checked, only that every system ran and produced the right tokens."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import harness.bench as bc
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+
+
+def _run(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} failed:\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
+    return p
+
+
+def _one(out: Path, pattern: str) -> Path:
+    found = sorted(out.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} in {out}, found {found}"
+    return found[0]
+
+
+def _has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+# ---- bench_common --------------------------------------------------------------------------------
+
+def test_prompts_are_ordinary_and_varied():
+    assert len(bc.PROMPTS) >= 60 and len(set(bc.PROMPTS)) == len(bc.PROMPTS)
+    assert all(p[0].isupper() and p.rstrip()[-1] in ".?!" for p in bc.PROMPTS)
+    assert bc.prompts(3) == bc.PROMPTS[:3]
+    assert bc.prompts(len(bc.PROMPTS) + 2)[-2:] == bc.PROMPTS[:2]
+
+
+def test_statistics():
+    assert bc.percentile([1, 2, 3, 4], 50) == 2.5
+    assert bc.percentile([5], 99) == 5
+    assert bc.percentile(list(range(101)), 99) == pytest.approx(99)
+    s = bc.summarize([1.0, 2.0, 3.0])
+    assert s["n"] == 3 and s["mean"] == 2.0 and s["p50"] == 2.0 and s["max"] == 3.0
+    assert bc.summarize([])["n"] == 0
+    assert bc.ratio(2.0, 4.0) == 0.5
+    assert bc.ratio(1.0, 0.0) != bc.ratio(1.0, 0.0)  # nan
+    t = bc.table(["a", "b"], [["x", 1.2345], ["yy", None]])
+    assert "1.23" in t and "-" in t.splitlines()[-1]
+
+
+# ---- bench_offline -------------------------------------------------------------------------------
+
+def test_bench_offline_smoke(tmp_path):
+    p = _run("bench_offline.py", "--num-prompts", "4", "--max-tokens", "8", "--hf-batch-size", "2",
+             "--no-warmup", "--out-dir", str(tmp_path), "--progress-every", "5")
+    assert "loom" in p.stdout and "hf-static" in p.stdout and "x loom" in p.stdout
+    assert "KV memory holding real tokens at peak" in p.stdout
+    assert "loom: running" in p.stderr  # progress lines
+    data = json.loads(_one(tmp_path, "bench_offline-*.json").read_text())
+    loom = data["systems"]["loom"]
+    assert [len(t) for t in loom["tokens"]] == [8] * 4  # EOS ignored: exactly max_tokens each
+    assert loom["tokens_per_s"] > 0 and len(loom["latencies_s"]) == 4
+    assert 0 < loom["kv"]["share_at_peak"] <= 1 and loom["num_preemptions"] == 0
+    static = data["systems"]["hf-static"]
+    assert "error" not in static, static
+    assert [len(t) for t in static["tokens"]] == [8] * 4
+    ag = loom["agreement_vs_hf_static"]
+    # 8 greedy tokens in float32: padding may change a token now and then, not most of them
+    assert ag["total"] == 4 and ag["identical"] >= 3, ag
+    cb = data["systems"]["hf-cb"]  # transformers' continuous batching: a failure is reported, not fatal
+    if "error" not in cb:
+        assert [len(t) for t in cb["tokens"]] == [8] * 4
+        assert "hf-cb" in p.stdout
+    else:
+        assert "hf-cb" in p.stdout and "FAILED" in p.stdout
+    if _has_matplotlib():
+        assert _one(tmp_path, "bench_offline-*.png").stat().st_size > 0
+
+
+# ---- bench_overhead ------------------------------------------------------------------------------
+
+def test_bench_overhead_smoke(tmp_path):
+    p = _run("bench_overhead.py", "--seqs", "4", "16", "--steps", "3", "--warmup-steps", "1", "--prompt-len", "20",
+             "--vocab", "512", "--out-dir", str(tmp_path))
+    assert "running seqs" in p.stdout and "schedule" in p.stdout
+    data = json.loads(_one(tmp_path, "bench_overhead-*.json").read_text())
+    assert [r["num_seqs"] for r in data["results"]] == [4, 16]
+    for r in data["results"]:
+        assert r["step_us"] > 0 and r["prepare_us"] > 0 and r["schedule_us"] > 0
+        assert r["block_table_width"] >= 2  # 20 prompt tokens + decode in blocks of 16
+    if _has_matplotlib():
+        assert _one(tmp_path, "bench_overhead-*.png").stat().st_size > 0
+
+
+# ---- bench_serving: pieces that need no server -----------------------------------------------------
+
+def test_serving_config_rewrite():
+    import bench_serving as bs
+
+    text = (ROOT / "model_repository" / "loom_smollm2" / "config.pbtxt").read_text()
+    params = bs.read_parameters(text)
+    assert "adapter_roots" in params and "max_num_seqs" in params
+    new = bs.set_parameters(text, {"adapter_roots": "/tmp/x", "max_num_seqs": "8", "brand_new": "1"})
+    p2 = bs.read_parameters(new)
+    assert p2["adapter_roots"] == "/tmp/x" and p2["max_num_seqs"] == "8" and p2["brand_new"] == "1"
+    assert {k: v for k, v in p2.items() if k not in ("adapter_roots", "max_num_seqs", "brand_new")} == \
+           {k: v for k, v in params.items() if k not in ("adapter_roots", "max_num_seqs")}
+
+
+def test_serving_workload_and_arrivals():
+    import bench_serving as bs
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bc.default_model_dir())
+    reqs = bs.make_workload(tok, 20, 32, 0.5, 16, 0.25, seed=1)
+    assert len(reqs) == 20
+    assert all(12 <= r.max_tokens <= 20 for r in reqs)
+    assert all(abs(r.prompt_len - 32) <= 20 for r in reqs) and len({r.prompt_len for r in reqs}) > 1
+    assert bs.make_workload(tok, 5, 10, 0.0, 7, 0.0, seed=2)[0].max_tokens == 7
+    assert [r.text for r in bs.make_workload(tok, 5, 10, 0.5, 7, 0.5, seed=3)] == \
+           [r.text for r in bs.make_workload(tok, 5, 10, 0.5, 7, 0.5, seed=3)]
+    assert bs.arrival_times(4, None, 0) == [0.0] * 4
+    t = bs.arrival_times(2000, 10.0, 0)
+    assert t == sorted(t) and 150 < t[-1] < 250  # mean gap 0.1 s
+
+
+def test_serving_summary():
+    import bench_serving as bs
+
+    reqs = [bs.Req("a", 1, 3), bs.Req("b", 1, 2)]
+    r0 = bs.Result(0, t_send=0.0, chunks=[(0.5, 1), (0.7, 2)], t_end=0.7)
+    r1 = bs.Result(1, t_send=0.2, chunks=[(0.4, 1), (0.6, 1)], t_end=0.6)
+    s = bs.summarize_run([r0, r1], reqs)
+    assert s["ok"] == 2 and s["errors"] == 0 and s["wrong_token_count"] == 0 and s["output_tokens"] == 5
+    assert s["ttft_s"]["p50"] == pytest.approx(0.35) and s["e2e_s"]["max"] == pytest.approx(0.7)
+    assert s["itl_s"]["max"] == pytest.approx(0.2)  # r1: (0.4 - 0.2) / 1; r0: (0.7 - 0.5) / 2 = 0.1
+    assert s["output_tok_s"] == pytest.approx(5 / 0.7)
+
+
+def test_aiperf_payload_template_renders_vllm_tensors():
+    import bench_serving as bs
+    import jinja2
+
+    env = jinja2.Environment()
+    body = json.loads(env.from_string(bs.AIPERF_TEMPLATE).render(text='say "hi"\n', max_tokens=32))
+    assert body["text_input"] == 'say "hi"\n' and body["stream"] is True and body["exclude_input_in_output"] is True
+    assert json.loads(body["sampling_parameters"]) == {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
+
+
+def test_make_adapters_loads_in_the_engine(tmp_path):
+    import bench_serving as bs
+
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
+
+    model_dir = bc.default_model_dir()
+    names = bs.make_adapters(model_dir, tmp_path, 2, rank=8)
+    assert names == ["bench-lora-000", "bench-lora-001"]
+    llm = LLM(model_dir, adapter_roots=[str(tmp_path)], kv_cache_memory_bytes=64 << 20)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["The weather was cold this morning"] * 3, sp, lora_names=[None, names[0], names[1]])
+    assert all(o.error is None and len(o.token_ids) == 6 for o in outs)
+    assert outs[1].token_ids != outs[0].token_ids or outs[2].token_ids != outs[0].token_ids  # B is non-zero
+
+
+# ---- bench_serving against a real tritonserver ------------------------------------------------------
+
+def test_bench_serving_smoke(tmp_path):
+    p = _run("bench_serving.py", "--mode", "all", "--concurrency", "2", "--request-rate", "20", "--num-requests", "3",
+             "--input-len", "8", "--output-len", "4", "--warmup-requests", "1", "--num-adapters", "2",
+             "--lora-concurrency", "2", "--out-dir", str(tmp_path))
+    for needle in ("concurrency sweep", "Poisson arrivals", "multi-LoRA", "triton / offline", "one adapter / no adapter"):
+        assert needle in p.stdout, p.stdout
+    data = json.loads(_one(tmp_path, "bench_serving-all-*.json").read_text())
+    runs = [data["runs"]["sweep"]["c=2"], data["runs"]["rate"]["20 req/s"]] + list(data["runs"]["lora"]["entries"].values())
+    for e in runs:
+        for side in ("triton", "offline"):
+            s = e[side]
+            assert s["ok"] == 3 and s["errors"] == 0 and s["wrong_token_count"] == 0, (side, s)
+            assert s["ttft_s"]["n"] == 3 and s["output_tok_s"] > 0
+    if _has_matplotlib():
+        assert _one(tmp_path, "bench_serving-all-*.png").stat().st_size > 0
