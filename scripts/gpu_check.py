@@ -80,10 +80,12 @@ def _preimport(sections: list[Section]) -> None:
     """Smoke mode forks each section from this process: import what they need once, before any fork."""
     import importlib
 
-    for mod in dict.fromkeys(s.target.split(":")[0] for s in sections):
-        importlib.import_module(mod)
-    if any(s.name == "lora" for s in sections):
-        import peft  # noqa: F401
+    mods = list(dict.fromkeys(s.target.split(":")[0] for s in sections))
+    for mod in mods + (["peft"] if any(s.name == "lora" for s in sections) else []):
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:  # the section's own process imports it again and records the failure
+            print(f"pre-import of {mod} failed: {e}", file=sys.stderr)
 
 
 class Runner:
@@ -212,10 +214,10 @@ def main(argv=None) -> int:
             _preimport(sections)
         runner = Runner(args, device, out, work)
         header = f"gpu_check on {device}" + (" (CPU smoke: tiny shapes, references)" if args.cpu_smoke else "")
-        if device == "cuda":
+        if device == "cuda":  # the device's name comes from the sections: this process leaves CUDA uninitialised
             import torch
 
-            header += f": {torch.cuda.get_device_name()}, torch {torch.__version__}"
+            header += f", torch {torch.__version__}"
         runner.say(header)
         records = runner.run(sections)
     finally:

@@ -13,7 +13,7 @@ import math
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 NOT_IMPLEMENTED = "not implemented"
@@ -149,6 +149,10 @@ def child_main(section: str, target: str, opts: Options, partial_path: str, resu
 
         torch.set_num_threads(1)  # tiny shapes, sections side by side: more threads only contend
     rec = Recorder(section, opts, Path(partial_path))
+    if opts.device == "cuda":
+        import torch
+
+        rec.rec["device_name"] = torch.cuda.get_device_name()
     rec.flush()
     error = None
     try:
@@ -172,7 +176,9 @@ def _fmt(v) -> str:
 
 
 def summary_lines(records: list[dict]) -> list[str]:
-    out = ["", f"{'section':<13}{'status':<30}{'seconds':>8}  checks (pass / fail / skipped)"]
+    names = sorted({r["device_name"] for r in records if r.get("device_name")})
+    out = ["", f"device: {', '.join(names) or records[0]['device'] if records else '-'}",
+           f"{'section':<13}{'status':<30}{'seconds':>8}  checks (pass / fail / skipped)"]
     for r in records:
         st = [c["status"] for c in r.get("checks", [])]
         npass = sum(s == "pass" for s in st)
@@ -201,6 +207,3 @@ def summary_lines(records: list[dict]) -> list[str]:
         out += [f"  {sec}: {c['name']}: {c['status']} {c.get('error', '')}" for sec, c in fails]
     return out
 
-
-def options_dict(opts: Options) -> dict:
-    return asdict(opts)
