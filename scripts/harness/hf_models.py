@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 
-def make_hf_model(arch: str, tmp_path, tie: bool = False, **overrides):
-    """A small random-weight model saved as safetensors; GQA group 3 by default (like SmolLM2)."""
+def make_hf_model(arch: str, tmp_path, tie: bool = False, bias_std: float = 0.0, **overrides):
+    """A small random-weight model saved as safetensors; GQA group 3 by default (like SmolLM2).
+    bias_std > 0 draws the biases (Qwen2's q/k/v) from N(0, bias_std): at init they are zero and prove nothing."""
     import transformers
 
     torch.manual_seed(1234)
@@ -25,8 +26,10 @@ def make_hf_model(arch: str, tmp_path, tie: bool = False, **overrides):
         raise ValueError(arch)
     # Random init gives near-uniform logits; sharpen them so greedy decoding is well separated.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.mul_(3.0) if p.dim() == 2 else None
+            if bias_std and name.endswith(".bias"):
+                p.normal_(0.0, bias_std)
     model.eval()
     path = tmp_path / arch
     model.save_pretrained(path, safe_serialization=True)
@@ -35,7 +38,9 @@ def make_hf_model(arch: str, tmp_path, tie: bool = False, **overrides):
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        dev = model.device
+        out = model.generate(torch.tensor([prompt_ids], device=dev),
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=dev),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
