@@ -24,15 +24,18 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
+                           softcap=None):
     fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
+              softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
-                            out=None):
+                            out=None, sliding_window=None, softcap=None):
     fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
-    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out)
+    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
+              sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):

@@ -1,4 +1,5 @@
-"""Fused mixture-of-experts MLP (Mixtral / Qwen3-MoE experts): y[t] = sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
+"""Fused mixture-of-experts MLP (Mixtral / Qwen3-MoE experts):
+y[t] = sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, then up rows I..2I-1), w2 [E, H, I]. Routing (softmax, top-k,
 renormalisation) is the caller's: topk_weights [T, K] and topk_ids [T, K] come in ready.
