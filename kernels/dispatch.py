@@ -6,9 +6,15 @@ import os
 
 import torch
 
-from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from loom.kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
 from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from loom.kernels.moe import fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
@@ -48,6 +54,14 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 def silu_and_mul(x):
     return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+
+
+def gelu_tanh_and_mul(x):
+    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_ref)(x)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):
+    return (fused_moe_triton if use_triton(x) else fused_moe_ref)(x, w13, w2, topk_weights, topk_ids, out=out)
 
 
 def lora_shrink(x, lora_a, meta, out=None):

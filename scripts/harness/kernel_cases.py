@@ -175,6 +175,12 @@ def check_silu(dtype, device, T=5, inter=100):
                         "silu_and_mul")
 
 
+def check_gelu_tanh(dtype, device, T=5, inter=100):
+    x = rnd(T, 2 * inter, dtype=dtype, device=device, scale=2.0)
+    return assert_close(activation.gelu_tanh_and_mul_triton(x).float(), activation.gelu_tanh_and_mul_ref(x.float()),
+                        dtype, "gelu_tanh_and_mul")
+
+
 def make_lora_meta(num_tokens, ranks, device, spare_rows=5):
     """Adapters at shuffled places in the pool with gaps; random tokens per group; some tokens unused."""
     G = len(ranks)
@@ -270,6 +276,7 @@ CASES = {
     "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
     "silu_and_mul": (check_silu, [dict()]),
+    "gelu_tanh_and_mul": (check_gelu_tanh, [dict(), dict(T=3, inter=1100)]),
     "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
 }

@@ -117,6 +117,9 @@ def test_norm_rotary_silu_refs_vs_naive():
             assert torch.allclose(k2[t, :, j + 4], k[t, :, j + 4] * c + k[t, :, j] * sn, atol=1e-5)
     xx = torch.randn(2, 6)
     assert torch.allclose(dispatch.silu_and_mul_ref(xx), xx[:, :3] / (1 + (-xx[:, :3]).exp()) * xx[:, 3:])
+    a = xx[:, :3].double()
+    gelu = 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
+    assert torch.allclose(dispatch.gelu_tanh_and_mul_ref(xx).double(), gelu * xx[:, 3:].double(), atol=1e-6)
 
 
 def test_dispatch_choice(monkeypatch):
