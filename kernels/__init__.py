@@ -7,6 +7,7 @@ tensors, the reference otherwise (or the Triton kernel under TRITON_INTERPRET=1 
 from loom.kernels.dispatch import (
     fused_add_rms_norm,
     fused_moe,
+    fused_moe_lora,
     gelu_tanh_and_mul,
     lora_expand,
     lora_shrink,
@@ -26,6 +27,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "fused_moe",
+    "fused_moe_lora",
     "lora_shrink",
     "lora_expand",
 ]

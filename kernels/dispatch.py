@@ -14,7 +14,7 @@ from loom.kernels.activation import (
 )
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
 from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
-from loom.kernels.moe import fused_moe_ref, fused_moe_triton
+from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
@@ -62,6 +62,11 @@ def gelu_tanh_and_mul(x):
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):
     return (fused_moe_triton if use_triton(x) else fused_moe_ref)(x, w13, w2, topk_weights, topk_ids, out=out)
+
+
+def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
+    # PyTorch on every device: the expert-LoRA path has no Triton kernel yet
+    return fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=out)
 
 
 def lora_shrink(x, lora_a, meta, out=None):
