@@ -116,6 +116,45 @@ def hf_greedy_logprobs(model, prompt_ids: list[int], max_new_tokens: int) -> tup
     return toks, lps
 
 
+# LoRA targets per family for the PEFT parity tests: every projection kind the family has
+PEFT_TARGETS = {
+    "phi3": dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "mixtral": dict(target_modules=["q_proj", "v_proj", "o_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "qwen3_moe": dict(target_modules=["k_proj", "o_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+}
+DEFAULT_PEFT_TARGETS = dict(target_modules="all-linear")
+
+
+def make_peft_adapter(model_dir: str, out_dir: str, seed: int, r: int = 4, alpha: float = 8, scale: float = 2.0,
+                      **lora_kw) -> str:
+    """Save a PEFT adapter of any family with random, non-zero A and B (PEFT initialises B to zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    pm = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=False, **lora_kw))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn_like(p) * scale / max(p.shape[-1], 1) ** 0.5)
+    pm.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_model(model_dir: str, adapter_dir: str | None):
+    """The oracle: transformers (+ the PEFT adapter), float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_dir).eval()
+
+
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
