@@ -172,9 +172,9 @@ def save_tiny_models(out_dir: str, families=FAMILIES, tokenizer_dir: str | None 
     from transformers import AutoTokenizer
 
     if tokenizer_dir is None:
-        from harness.default_model import ensure_default_model
+        from loom.engine.default_model import resolve_default_model
 
-        tokenizer_dir = str(ensure_default_model())
+        tokenizer_dir = resolve_default_model()
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     paths = {}
     for fam in families:

@@ -119,3 +119,21 @@ def model_dtype():
     import torch
 
     return torch.float32
+
+
+def test_qwen3_moe_with_dense_and_sparse_layers(tmp_path):
+    """mlp_only_layers=[0]: a dense MLP in layer 0, experts in layer 1 (the LoRA groups exist per layer)."""
+    from harness.hf_models import make_hf_model
+
+    model, path = make_hf_model("qwen3_moe", tmp_path, mlp_only_layers=[0])
+    ad = make_peft_adapter(path, str(tmp_path / "root" / "m"), seed=9, r=2, alpha=4, target_modules=["o_proj"],
+                           target_parameters=["mlp.experts.down_proj"])
+    llm = _llm(path, tmp_path / "root")
+    spec = LoraModelSpec.from_model(llm.engine.runner.model)
+    assert {g.name: g.layers for g in spec.groups} == {"qkv_proj": (), "o_proj": (), "gate_up_proj": (0,),
+                                                        "down_proj": (0,), "experts_gate_up": (1,),
+                                                        "experts_down": (1,)}
+    oracle = peft_model(path, ad)
+    names = [None, "m"]
+    prompts = random_prompts([17, 9], model.config.vocab_size, seed=23)
+    check(llm, model, prompts, 5, lora_names=names, oracle=lambda i: model if names[i] is None else oracle)
