@@ -6,9 +6,15 @@ import os
 
 import torch
 
-from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from loom.kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
 from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
@@ -24,15 +30,18 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
+                           softcap=None):
     fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
+              softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
-                            out=None):
+                            out=None, sliding_window=None, softcap=None):
     fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
-    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out)
+    return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
+              sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -45,6 +54,19 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 def silu_and_mul(x):
     return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+
+
+def gelu_tanh_and_mul(x):
+    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_ref)(x)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):
+    return (fused_moe_triton if use_triton(x) else fused_moe_ref)(x, w13, w2, topk_weights, topk_ids, out=out)
+
+
+def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
+    # PyTorch on every device: the expert-LoRA path has no Triton kernel yet
+    return fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=out)
 
 
 def lora_shrink(x, lora_a, meta, out=None):

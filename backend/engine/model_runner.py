@@ -5,8 +5,6 @@ is slicing each sequence's new token ids and block table into the batch arrays.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
@@ -14,8 +12,6 @@ from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
-
-log = logging.getLogger("loom")
 
 
 class ModelRunner:
@@ -25,12 +21,7 @@ class ModelRunner:
         hf_cfg = load_hf_config(model_dir)
         self.dtype = config.resolve_dtype(checkpoint_dtype(hf_cfg))
         model_max = int(getattr(hf_cfg, "max_position_embeddings", 4096) or 4096)
-        max_len = config.max_model_len or model_max
-        window = getattr(hf_cfg, "sliding_window", None)
-        if window and getattr(hf_cfg, "use_sliding_window", True) and window < max_len:
-            # Full attention equals sliding-window attention while sequences stay inside the window.
-            log.warning("model uses a sliding window of %d tokens: max_model_len capped to %d", window, window)
-            max_len = window
+        max_len = config.max_model_len or model_max  # sliding-window layers attend within their window
         self.max_model_len = max_len
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len)
         self.vocab_size = hf_cfg.vocab_size
@@ -81,11 +72,13 @@ class ModelRunner:
         # the adapter registry allocates its LoRA pools after the cache: keep room for them
         free = int(total * self.config.gpu_memory_utilization) - peak - (256 << 20) - self.config.lora_memory_bytes
         if free <= 0:
-            raise ValueError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise gpu_memory_utilization")
+            raise ValueError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise "
+                             "gpu_memory_utilization")
         return free
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+    def prepare(self, batch: ScheduledBatch,
+                lora: LoraBatchMeta | None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         s = len(seqs)
         starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
@@ -114,8 +107,8 @@ class ModelRunner:
         d = batch.num_decode_seqs
         decode = prefill = None
         if d:
-            decode = AttentionMeta(to(cu[:d + 1], torch.int32), to(seq_lens[:d], torch.int32), to(tables[:d], torch.int32),
-                                   1, int(seq_lens[:d].max()))
+            decode = AttentionMeta(to(cu[:d + 1], torch.int32), to(seq_lens[:d], torch.int32),
+                                   to(tables[:d], torch.int32), 1, int(seq_lens[:d].max()))
         if d < s:
             pcu = cu[d:] - cu[d]
             prefill = AttentionMeta(to(pcu, torch.int32), to(seq_lens[d:], torch.int32), to(tables[d:], torch.int32),
@@ -131,5 +124,6 @@ class ModelRunner:
         ids, ctx, sampled = self.prepare(batch, lora)
         with forward_context(ctx):
             hidden = self.model(ids, ctx.positions)
-            logits = self.model.compute_logits(hidden[ctx.logits_indices]) if sampled else hidden.new_empty((0, self.vocab_size))
+            logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled
+                      else hidden.new_empty((0, self.vocab_size)))
         return logits, sampled

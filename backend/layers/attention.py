@@ -1,4 +1,8 @@
-"""Paged attention over the KV cache: store this step's K/V, then decode and prefill parts separately."""
+"""Paged attention over the KV cache: store this step's K/V, then decode and prefill parts separately.
+
+sliding_window (keys at positions > p - window) and softcap (scores c * tanh(s / c)) are per layer, as the
+kernels define them (docs/CONTRACTS.md).
+"""
 from __future__ import annotations
 
 import torch
@@ -9,9 +13,11 @@ from loom.layers.forward_context import get_forward_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.softcap = sliding_window, softcap
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -24,9 +30,11 @@ class PagedAttention(nn.Module):
         d = ctx.num_decode_seqs
         if d:
             dec = ctx.decode
-            paged_decode_attention(q[:d], self.k_cache, self.v_cache, dec.block_tables, dec.seq_lens, self.scale, out=out[:d])
+            paged_decode_attention(q[:d], self.k_cache, self.v_cache, dec.block_tables, dec.seq_lens, self.scale,
+                                   out=out[:d], sliding_window=self.sliding_window, softcap=self.softcap)
         pre = ctx.prefill
         if pre is not None:
             paged_prefill_attention(q[d:], self.k_cache, self.v_cache, pre.cu_seqlens_q, pre.seq_lens, pre.block_tables,
-                                    pre.max_seqlen_q, self.scale, out=out[d:])
+                                    pre.max_seqlen_q, self.scale, out=out[d:], sliding_window=self.sliding_window,
+                                    softcap=self.softcap)
         return out

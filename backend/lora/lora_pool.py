@@ -1,12 +1,12 @@
 """Device pools of LoRA rank rows and their row allocator.
 
-One pool pair per module group, stacked over layers:
-  a[group]: [num_layers, num_slices, capacity, in_features]
-  b[group]: [num_layers, capacity, sum(output_sizes)]
-Module `layers.{i}.<group>` gets the views a[group][i] ([S, R, in]) and b[group][i] ([R, sum_out]) as its
-`lora_a` / `lora_b`. An adapter version owns the same contiguous rows [row_start, row_start + rank) in every
-pool (all groups, all layers); groups or slices it does not target are written as zeros, so rows need no
-clearing when freed.
+One pool pair per module group, stacked over layers (and experts, for MoE expert groups):
+  a[group]: [num_layers, (num_experts,) num_slices, capacity, in_features]
+  b[group]: [num_layers, (num_experts,) capacity, sum(output_sizes)]
+Module `layers.{i}.<group>` gets the views a[group][i] ([(E,) S, R, in]) and b[group][i] ([(E,) R, sum_out]) as
+its `lora_a` / `lora_b` (layers without the group, e.g. MoE layers for the dense MLP, keep unused zeros).
+An adapter version owns the same contiguous rows [row_start, row_start + rank) in every pool (all groups, all
+layers); groups or slices it does not target are written as zeros, so rows need no clearing when freed.
 """
 from __future__ import annotations
 
@@ -90,8 +90,10 @@ class LoraPool:
         self.b: dict[str, torch.Tensor] = {}
         if self.capacity > 0:
             for g in spec.groups:
-                self.a[g.name] = torch.zeros(L, g.num_slices, self.capacity, g.in_features, device=self.device, dtype=dtype)
-                self.b[g.name] = torch.zeros(L, self.capacity, g.out_features, device=self.device, dtype=dtype)
+                lead = (L,) + ((g.num_experts,) if g.num_experts else ())
+                self.a[g.name] = torch.zeros(*lead, g.num_slices, self.capacity, g.in_features, device=self.device,
+                                             dtype=dtype)
+                self.b[g.name] = torch.zeros(*lead, self.capacity, g.out_features, device=self.device, dtype=dtype)
 
     @staticmethod
     def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype) -> int:
@@ -117,8 +119,8 @@ class LoraPool:
             raise ValueError(f"rows [{row_start}, {row_start + r}) outside the pool of {self.capacity}")
         nb = self.device.type == "cuda"
         for g in self.spec.groups:
-            dst_a = self.a[g.name][:, :, row_start:row_start + r]
-            dst_b = self.b[g.name][:, row_start:row_start + r]
+            dst_a = self.a[g.name][..., row_start:row_start + r, :]
+            dst_b = self.b[g.name][..., row_start:row_start + r, :]
             src_a = w.a.get(g.name)
             if src_a is None:
                 dst_a.zero_()
@@ -129,8 +131,8 @@ class LoraPool:
 
     def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Host copies of rows (tests / debugging)."""
-        a = {k: v[:, :, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.a.items()}
-        b = {k: v[:, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.b.items()}
+        a = {k: v[..., row_start:row_start + rank, :].to("cpu", copy=True) for k, v in self.a.items()}
+        b = {k: v[..., row_start:row_start + rank, :].to("cpu", copy=True) for k, v in self.b.items()}
         return a, b
 
     def move(self, src: int, dst: int, n: int) -> None:
@@ -139,5 +141,5 @@ class LoraPool:
             return
         for g in self.spec.groups:
             a, b = self.a[g.name], self.b[g.name]
-            a[:, :, dst:dst + n] = a[:, :, src:src + n].clone()
-            b[:, dst:dst + n] = b[:, src:src + n].clone()
+            a[..., dst:dst + n, :] = a[..., src:src + n, :].clone()
+            b[..., dst:dst + n, :] = b[..., src:src + n, :].clone()

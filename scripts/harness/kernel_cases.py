@@ -102,14 +102,32 @@ def check_store_kv(dtype, device, T=10, kvh=3, d=64, block_size=16, num_blocks=4
     return 0.0
 
 
-def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None, top_of=0):
+def hide_before_window(kc, bt, first_q_pos, window):
+    """Point every block-table entry wholly before the window of a sequence's first query at an all-NaN block: an
+    implementation that reads such a block (the contract says it must not) returns NaN."""
+    if window is None:
+        return bt
+    used = set(bt.flatten().tolist())
+    nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
+    bt = bt.clone()
+    bs = kc.shape[1]
+    for s, p in enumerate(first_q_pos):
+        n_hidden = max(0, p - window + 1) // bs  # blocks whose every position is < p - window + 1
+        bt[s, :n_hidden] = nan_block
+    return bt
+
+
+def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None,
+                 sliding_window=None, softcap=None, top_of=0):
     kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, top_of=top_of)
-    q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device)
+    bt = hide_before_window(kc, bt, [n - 1 for n in seq_lens], sliding_window)
+    q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device, scale=3.0 if softcap else 1.0)
     scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     out = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
-    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n, **opts)
     kc, vc, bt = compact_cache(kc, vc, bt, sl)
-    ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale)
+    ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_decode_attention")
 
 
@@ -122,13 +140,19 @@ def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top
     return q, kc, vc, cu, sl, bt, max(q_lens)
 
 
-def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None, top_of=0):
+def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None,
+                  sliding_window=None, softcap=None, top_of=0):
     q, kc, vc, cu, sl, bt, max_q = prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of)
+    bt = hide_before_window(kc, bt, [n - ql for ql, n in q_and_seq_lens], sliding_window)
+    if softcap:
+        q = q * 3.0  # scores well past the cap
     scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     out = poison(*q.shape, dtype=dtype, device=device)
-    paged_prefill_attention_triton(q, kc, vc, cu, sl, bt, max_q, scale, out=out, block_m=block_m, block_n=block_n)
+    paged_prefill_attention_triton(q, kc, vc, cu, sl, bt, max_q, scale, out=out, block_m=block_m, block_n=block_n,
+                                   **opts)
     kc, vc, bt = compact_cache(kc, vc, bt, sl)
-    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_prefill_attention")
 
 
@@ -188,6 +212,12 @@ def check_silu(dtype, device, T=5, inter=100):
     x = rnd(T, 2 * inter, dtype=dtype, device=device)
     return assert_close(activation.silu_and_mul_triton(x).float(), activation.silu_and_mul_ref(x.float()), dtype,
                         "silu_and_mul")
+
+
+def check_gelu_tanh(dtype, device, T=5, inter=100):
+    x = rnd(T, 2 * inter, dtype=dtype, device=device, scale=2.0)
+    return assert_close(activation.gelu_tanh_and_mul_triton(x).float(), activation.gelu_tanh_and_mul_ref(x.float()),
+                        dtype, "gelu_tanh_and_mul")
 
 
 def make_lora_meta(num_tokens, ranks, device, spare_rows=5):
@@ -262,6 +292,12 @@ CASES = {
         dict(seq_lens=[0, 3, 40, 77], heads=9, kvh=3, d=64, block_size=16, num_splits=4, block_n=16),  # split
         dict(seq_lens=[33, 64], heads=8, kvh=2, d=128, block_size=32, num_splits=3, block_n=16),  # split
         dict(seq_lens=[20, 9], heads=4, kvh=2, d=32, block_size=8),  # auto, block size < tile
+        # sliding window: shorter than, equal to and longer than the context; blocks before it are NaN
+        dict(seq_lens=[0, 3, 24, 25, 70], heads=9, kvh=3, d=64, block_size=16, num_splits=1, sliding_window=24),
+        dict(seq_lens=[5, 40, 77], heads=8, kvh=2, d=64, block_size=16, num_splits=3, block_n=16, sliding_window=20),
+        dict(seq_lens=[3, 50], heads=4, kvh=2, d=32, block_size=8, num_splits=1, softcap=5.0),
+        dict(seq_lens=[1, 33, 60], heads=4, kvh=2, d=32, block_size=8, num_splits=2, block_n=16, softcap=5.0,
+             sliding_window=17),
     ]),
     "prefill": (check_prefill, [
         # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
@@ -269,6 +305,12 @@ CASES = {
              block_m=16, block_n=16),
         dict(q_and_seq_lens=[(32, 32), (3, 35), (1, 1)], heads=4, kvh=4, d=128, block_size=32, block_m=16),
         dict(q_and_seq_lens=[(16, 16), (9, 50), (1, 17)], heads=8, kvh=2, d=64, block_size=16),  # group 4
+        # sliding window: a prompt longer than it, a chunk after it, a decode-like row past it
+        dict(q_and_seq_lens=[(40, 40), (7, 60), (1, 45), (5, 5)], heads=9, kvh=3, d=64, block_size=16,
+             block_m=16, block_n=16, sliding_window=12),
+        dict(q_and_seq_lens=[(33, 33), (1, 20)], heads=4, kvh=2, d=32, block_size=8, softcap=5.0),
+        dict(q_and_seq_lens=[(30, 50), (20, 20)], heads=4, kvh=2, d=32, block_size=8, block_m=16, softcap=5.0,
+             sliding_window=9),
     ]),
     # the sequences' blocks at the top of the cache (the GPU check uses caches of more than 2^31 elements)
     "top_blocks": (check_decode, [dict(seq_lens=[5, 40], heads=8, kvh=2, d=64, block_size=16, top_of=1 << 16)]),
@@ -278,6 +320,7 @@ CASES = {
     "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
     "silu_and_mul": (check_silu, [dict()]),
+    "gelu_tanh_and_mul": (check_gelu_tanh, [dict(), dict(T=3, inter=1100)]),
     "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
 }
