@@ -18,17 +18,24 @@ import torch
 
 from loom.engine.block_manager import BlockManager
 from loom.engine.config import EngineConfig
+from loom.engine.faults import is_sticky_device_error
 from loom.engine.logits_processors import build_constraints
 from loom.engine.model_runner import ModelRunner
 from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
 from loom.engine.sampler import Sampler, SamplingBatch
-from loom.engine.sampling_params import SamplingParams
+from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
 from loom.errors import RequestError
 from loom.lora.adapter_registry import AdapterRegistry
 
 log = logging.getLogger("loom")
+
+def seq_key(request_id: str, index: int) -> str:
+    """Key of a sequence in LLMEngine.requests: the request id for completion 0 (so n = 1 is just the id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -65,8 +72,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)
         self.sampler = Sampler()
-        self._grammars = None  # loom.engine.structured_output.GrammarCompiler, made at the first structured request
-        self.requests: dict[str, dict[int, Sequence]] = {}  # request id -> {index: unfinished sequence}
+        # loom.engine.structured_output.GrammarCompiler, made at the first structured request (the serving layer
+        # sets it itself, made with its own tokenizer copy, and compiles in its own thread)
+        self.grammar_compiler = None
+        # Unfinished sequences by key: the request id for completion 0, "<request id>#<index>" for the others.
+        self.requests: dict[str, Sequence] = {}
+        self._alive: dict[str, int] = {}  # request id -> its unfinished sequences
         self._unforked: dict[str, list[Sequence]] = {}  # n > 1: completions waiting for the first one's prompt
         self._finished_outputs: list[StepOutput] = []  # aborts and refusals reported at the next step
         self._adapter_failed: list[Sequence] = []
@@ -74,6 +85,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_request_ids: list[str] = []  # the serving layer fails these if step() itself raises
+        self.failed_steps_in_a_row = 0
+        self.fatal_error: str | None = None  # set by a sticky device error: the engine cannot serve any more
 
     # ---- adapters --------------------------------------------------------------------------------
 
@@ -100,20 +113,20 @@ class LLMEngine:
     @property
     def grammars(self):
         """The structured-output compiler (thread-safe: the serving layer may compile ahead in its own thread)."""
-        if self._grammars is None:
+        if self.grammar_compiler is None:
             if self.tokenizer is None:
                 raise RequestError("structured_outputs", "needs a tokenizer (this engine has none)")
             from loom.engine.structured_output import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
+        return self.grammar_compiler
 
     def prompt_limit(self) -> int:
         return self.config.max_prompt_tokens or self.max_model_len - 1
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     lora_name: str | None = None) -> None:
-        if request_id in self.requests:
+        if request_id in self._alive:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
         limit = self.prompt_limit()
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: as many as allowed)
@@ -152,7 +165,9 @@ class LLMEngine:
             if constraints is not None and constraints.grammar is not None:
                 seq.matcher = self.grammars.matcher(constraints.grammar)
             seqs[i] = seq
-        self.requests[request_id] = seqs
+        for i, seq in seqs.items():
+            self.requests[seq_key(request_id, i)] = seq
+        self._alive[request_id] = params.n
         self.prompt_tokens += n
         self.scheduler.add(seqs[0])
         if params.n > 1:
@@ -161,11 +176,13 @@ class LLMEngine:
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None,
                       index: int | None = None) -> None:
         """Abort a request (all its completions), or with `index` only that completion."""
-        seqs = self.requests.get(request_id)
-        if seqs is None:
+        n = self._alive.get(request_id)
+        if n is None:
             return
-        for i in ([index] if index is not None else list(seqs)):
-            seq = seqs.get(i)
+        keys = [seq_key(request_id, index)] if index is not None else [
+            k for k in (seq_key(request_id, i) for i in range(MAX_N)) if k in self.requests][:n]
+        for k in keys:
+            seq = self.requests.get(k)
             if seq is None:
                 continue
             self._finish(seq, reason)
@@ -176,11 +193,12 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is (running, waiting, not forked yet) and release what it holds."""
-        seqs = self.requests.get(seq.request_id)
-        if seqs is not None and seqs.get(seq.index) is seq:
-            del seqs[seq.index]
-            if not seqs:
-                del self.requests[seq.request_id]
+        key = seq_key(seq.request_id, seq.index)
+        if self.requests.get(key) is seq:
+            del self.requests[key]
+            self._alive[seq.request_id] -= 1
+            if not self._alive[seq.request_id]:
+                del self._alive[seq.request_id]
         pending = self._unforked.get(seq.request_id)
         if pending is not None:
             if seq in pending:
@@ -217,11 +235,15 @@ class LLMEngine:
             return outputs
         try:
             outputs += self._run(batch)
+            self.failed_steps_in_a_row = 0
         except Exception as e:  # fail only this step's requests; the engine keeps serving
             log.exception("engine step failed")
             msg = f"engine step failed: {type(e).__name__}: {e}"
+            self.failed_steps_in_a_row += 1
+            if self.fatal_error is None and is_sticky_device_error(e):
+                self.fatal_error = f"sticky device error: {type(e).__name__}: {e}"
             for seq in batch.seqs:
-                if seq.request_id in self.requests:
+                if seq.request_id in self._alive:
                     self.abort_request(seq.request_id, reason="error", error=msg)
             outputs += self._finished_outputs
             self._finished_outputs = []
@@ -232,7 +254,10 @@ class LLMEngine:
         if any(s.adapter is not None for s in batch.seqs):
             lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
         plp_rows, plp_targets = self._prompt_logprob_rows(batch)
-        logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows] or None)
+        if plp_rows:
+            logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows])
+        else:
+            logits, sampled_idx = self.runner.run(batch, lora)
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
