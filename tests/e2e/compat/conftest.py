@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from harness.tritonserver import LocalTritonServer, build_backend_dir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 COMPAT, FAULTY = "loom_compat", "loom_faulty"
 MAX_NUM_SEQS = 4
 

@@ -104,8 +104,8 @@ def test_gateway_gauges_while_adapters_run_and_wait(client, compat_server):
     assert err is None, err
     info = json.loads(res[0].as_numpy("text_output")[0])["result"]
     max_lora = str(info["adapters"]["capacity_rows"] // 64)  # rows of the pool / max_lora_rank
-    loras = ["alpha", "beta", "gamma", None] * 3
-    rids = [client.send(make_inputs(f"Story number {i}:", {"max_tokens": 24, "temperature": 0, "ignore_eos": True,
+    loras = ["alpha", "beta", "gamma", None] * 2
+    rids = [client.send(make_inputs(f"Story number {i}:", {"max_tokens": 16, "temperature": 0, "ignore_eos": True,
                                                             **({"lora_name": lo} if lo else {})}))
             for i, lo in enumerate(loras)]
     seen_both = False
