@@ -156,10 +156,9 @@ class LLMEngine:
             for ref in refs:
                 self.adapters.release(ref)
             raise
-        base_seed = params.seed if params.seed is not None else None
         seqs = {}
-        for i in range(params.n):
-            seed = (base_seed + i) % (1 << 63) if base_seed is not None else self._rng.getrandbits(63)
+        for i in range(params.n):  # vLLM's child seeds: seed + index
+            seed = (params.seed + i) % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)
             seq = Sequence(request_id, list(prompt_token_ids), params, seed, adapter=refs[i] if refs else None,
                            max_total_tokens=max_total, index=i, constraints=constraints)
             if constraints is not None and constraints.grammar is not None:
@@ -176,11 +175,10 @@ class LLMEngine:
     def abort_request(self, request_id: str, reason: str = "abort", error: str | None = None,
                       index: int | None = None) -> None:
         """Abort a request (all its completions), or with `index` only that completion."""
-        n = self._alive.get(request_id)
-        if n is None:
+        if request_id not in self._alive:
             return
         keys = [seq_key(request_id, index)] if index is not None else [
-            k for k in (seq_key(request_id, i) for i in range(MAX_N)) if k in self.requests][:n]
+            k for k in (seq_key(request_id, i) for i in range(MAX_N)) if k in self.requests]
         for k in keys:
             seq = self.requests.get(k)
             if seq is None:
@@ -353,22 +351,25 @@ class LLMEngine:
             offset += n
         return rows, targets
 
-    def _add_prompt_logprobs(self, logits: torch.Tensor, rows, targets: list[int]) -> None:
-        """Raw-model logprob and exact rank of each scored prompt token, and the top-n (vLLM's prompt_logprobs)."""
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        tgt = torch.tensor(targets, dtype=torch.int64, device=lp.device)[:, None]
-        tok_lp = lp.gather(1, tgt)
-        ranks = (lp >= tok_lp).sum(dim=-1).tolist()  # vLLM's rank: how many tokens are at least as likely
+    def _add_prompt_logprobs(self, logits: torch.Tensor, rows, targets: list[int], chunk: int = 256) -> None:
+        """Raw-model logprob and exact rank of each scored prompt token, and the top-n (vLLM's prompt_logprobs).
+        In chunks of rows, so a long prompt never holds a second [rows, vocab] tensor at once."""
         k = max(seq.params.prompt_logprobs for _, seq, _ in rows)
-        top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (None, None)
-        top_lp = top_lp.tolist() if top_lp is not None else None
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        for j, ((_, seq, pos), t, lpt, rank) in enumerate(zip(rows, targets, tok_lp[:, 0].tolist(), ranks)):
-            if len(seq.prompt_logprobs) != pos + 1:
-                continue  # already scored (recomputed after a preemption)
-            kk = seq.params.prompt_logprobs
-            top = list(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else []
-            seq.prompt_logprobs.append(TokenLogprob(t, lpt, top, rank))
+        for c in range(0, len(rows), chunk):
+            lp = torch.log_softmax(logits[c:c + chunk].float(), dim=-1)
+            tgt = torch.tensor(targets[c:c + chunk], dtype=torch.int64, device=lp.device)[:, None]
+            tok_lp = lp.gather(1, tgt)
+            ranks = (lp >= tok_lp).sum(dim=-1).tolist()  # vLLM's rank: how many tokens are at least as likely
+            top_lp = top_ids = None
+            if k > 0:
+                top = lp.topk(k, dim=-1)
+                top_lp, top_ids = top.values.tolist(), top.indices.tolist()
+            for j, (_, seq, pos) in enumerate(rows[c:c + chunk]):
+                if len(seq.prompt_logprobs) != pos + 1:
+                    continue  # already scored (recomputed after a preemption)
+                kk = seq.params.prompt_logprobs
+                best = list(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else []
+                seq.prompt_logprobs.append(TokenLogprob(targets[c + j], tok_lp[j, 0].item(), best, ranks[j]))
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         ids = list(seq.params.stop_token_ids)

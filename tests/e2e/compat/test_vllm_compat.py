@@ -147,9 +147,9 @@ def test_allowed_token_ids_against_transformers(client, hf):
     model, tok = hf
     ids = tok.encode(PROMPT, add_special_tokens=False)
     allowed = sorted({tok.encode(w, add_special_tokens=False)[0] for w in (" Paris", " London", " the", ".", " a")})
-    got = ids_request(client, ids, max_tokens=4, temperature=0, allowed_token_ids=allowed).as_numpy("output_ids")
+    got = ids_request(client, ids, max_tokens=3, temperature=0, allowed_token_ids=allowed).as_numpy("output_ids")
     seq, want = list(ids), []
-    for _ in range(4):  # greedy restricted to the allowed ids, one forward per token
+    for _ in range(3):  # greedy restricted to the allowed ids, one forward per token
         logits = hf_logits(model, seq)[-1]
         t = allowed[int(logits[allowed].argmax())]
         want.append(t)
