@@ -7,7 +7,7 @@ vectorised operation over all its rows:
 
 * grammar: every matcher fills its row of one int32 bitmask (xgrammar), applied to all rows in one call. The
   sampler applies it before computing logprobs, as vLLM applies the bitmask before its sampler;
-* allowed_token_ids: one boolean keep-mask [rows, V] built by one scatter; the rest becomes -inf;
+* allowed_token_ids: one boolean mask [rows, V] built by one scatter; every other token becomes -inf;
 * bad_words: vLLM's rule - a bad word's last token is banned when the tokens generated just before match the
   word's other tokens (single-token words are always banned); one index_put of -inf for all (row, token) pairs;
 * logit_bias: one index_put with accumulate for all (row, token, bias) triples.
@@ -111,7 +111,7 @@ class ProcessorBatch:
     grammar_rows: list[int] | None
     matchers: list | None
     allowed_rows: Tensor | None
-    allowed_keep: Tensor | None  # bool [len(allowed_rows), V]
+    allowed_drop: Tensor | None  # bool [len(allowed_rows), V]: True where a token is not allowed
     ban_rows: Tensor | None
     ban_cols: Tensor | None
     bias_rows: Tensor | None
@@ -150,10 +150,10 @@ class ProcessorBatch:
             return None
         maskers = sorted(set(g_rows) | set(a_rows))
         dev = torch.device(device)
-        keep = None
+        drop = None
         if a_rows:
-            keep = torch.zeros(len(a_rows), V, dtype=torch.bool)
-            keep[torch.cat(a_local), torch.cat(a_ids)] = True
+            drop = torch.ones(len(a_rows), V, dtype=torch.bool)
+            drop[torch.cat(a_local), torch.cat(a_ids)] = False
 
         def d(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(dev, non_blocking=True)
@@ -162,7 +162,7 @@ class ProcessorBatch:
             rows=d(torch.tensor(maskers, dtype=torch.int64)) if maskers else None,
             any_dense=bool(a_rows or ban_r or b_rows),
             grammar_rows=g_rows or None, matchers=g_matchers or None,
-            allowed_rows=d(torch.tensor(a_rows, dtype=torch.int64)) if a_rows else None, allowed_keep=d(keep),
+            allowed_rows=d(torch.tensor(a_rows, dtype=torch.int64)) if a_rows else None, allowed_drop=d(drop),
             ban_rows=d(torch.tensor(ban_r, dtype=torch.int64)) if ban_r else None,
             ban_cols=d(torch.tensor(ban_c, dtype=torch.int64)) if ban_c else None,
             bias_rows=d(torch.cat(b_rows)) if b_rows else None, bias_cols=d(torch.cat(b_ids)) if b_ids else None,
@@ -189,7 +189,7 @@ class ProcessorBatch:
         x = x.clone()
         if self.allowed_rows is not None:
             sub = x.index_select(0, self.allowed_rows)
-            x.index_copy_(0, self.allowed_rows, sub.masked_fill_(~self.allowed_keep, NEG_INF))
+            x.index_copy_(0, self.allowed_rows, sub.masked_fill_(self.allowed_drop, NEG_INF))
         if self.ban_rows is not None:
             x.index_put_((self.ban_rows, self.ban_cols), torch.tensor(NEG_INF, device=x.device))
         if self.bias_rows is not None:
