@@ -53,8 +53,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Attach the longest cached prefix of a sequence that has no blocks yet (at least one token is left to compute)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.prompt_logprobs_pending:
+            return  # prompt logprobs need every prompt position computed (vLLM skips the cache for them too)
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs  # the last token must be computed to get logits
         parent, hits = 0, []
@@ -121,6 +121,27 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def fork(self, src: Sequence, dst: Sequence) -> tuple[int, int] | None | bool:
+        """Let `dst` (no blocks yet) share `src`'s computed blocks. A partly filled last block cannot be shared
+        (both would write their next tokens into it): `dst` gets a fresh block and the caller copies the KV of
+        (src block, dst block), the pair returned. None: nothing to copy; False: no free block (nothing changed)."""
+        assert not dst.block_table
+        bs = self.block_size
+        n_full, rest = divmod(src.num_computed_tokens, bs)
+        if rest and not self.free:
+            return False
+        for block_id in src.block_table[:n_full]:
+            self._ref(block_id)
+        dst.block_table = list(src.block_table[:n_full])
+        copy = None
+        if rest:
+            new = self._take_free_block()
+            dst.block_table.append(new)
+            copy = (src.block_table[n_full], new)
+        dst.num_computed_tokens = src.num_computed_tokens
+        dst.num_hashed_blocks = min(src.num_hashed_blocks, n_full)
+        return copy
 
     def _unref(self, block_id: int) -> None:
         block = self.blocks[block_id]

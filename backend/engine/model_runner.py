@@ -77,8 +77,8 @@ class ModelRunner:
         return free
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch,
-                lora: LoraBatchMeta | None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
+                extra_rows: list[int] | None = None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         s = len(seqs)
         starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
@@ -100,6 +100,8 @@ class ModelRunner:
         # Sample only sequences whose known tokens are all computed after this step.
         sampled = [i for i, q in enumerate(seqs) if ends[i] == q.num_tokens]
         logits_idx = cu[1:][sampled] - 1
+        if extra_rows:  # more rows of the step's flat tokens (prompt logprobs), after the sampled ones
+            logits_idx = np.concatenate([logits_idx, np.asarray(extra_rows, dtype=np.int64)])
 
         dev = self.device
         to = lambda a, dt: torch.from_numpy(a).to(dev, dtype=dt, non_blocking=True)  # noqa: E731
@@ -119,11 +121,13 @@ class ModelRunner:
         return to(ids, torch.int64), ctx, sampled
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None) -> tuple[torch.Tensor, list[int]]:
-        """Returns float32 logits of the sampled sequences and their indices into batch.seqs."""
-        ids, ctx, sampled = self.prepare(batch, lora)
+    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
+            extra_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Returns float32 logits of the sampled sequences and their indices into batch.seqs; with `extra_rows`
+        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows."""
+        ids, ctx, sampled = self.prepare(batch, lora, extra_rows)
         with forward_context(ctx):
             hidden = self.model(ids, ctx.positions)
-            logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled
+            logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled or extra_rows
                       else hidden.new_empty((0, self.vocab_size)))
         return logits, sampled
