@@ -3,7 +3,8 @@
 Routing is transformers': softmax over the router logits in float32, top-k of the probabilities, then (Mixtral
 always, Qwen3-MoE with norm_topk_prob) division by their sum; Qwen3-MoE rounds the weights to the model dtype.
 The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down); a step in which some
-adapter carries expert LoRA runs `kernels.fused_moe_lora` instead (PyTorch, on every device).
+adapter carries expert LoRA (`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs
+`kernels.fused_moe_lora` instead (PyTorch, on every device).
 
 Parameter names follow transformers 5: mlp.gate.weight [E, H], mlp.experts.gate_up_proj [E, 2I, H] (gate rows,
 then up rows) and mlp.experts.down_proj [E, H, I].
@@ -16,8 +17,6 @@ from torch import nn
 
 from loom.kernels import fused_moe, fused_moe_lora
 from loom.layers.forward_context import get_forward_context
-
-EXPERT_GROUPS = ("experts_gate_up", "experts_down")
 
 
 class ExpertLoRA(nn.Module):
@@ -64,10 +63,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         e = self.experts
-        if e.lora_gate_up.lora_a is not None:  # pools attached: this step may carry expert LoRA
+        if e.lora_gate_up.lora_a is not None:  # expert pools attached: this step may carry expert LoRA
             meta = get_forward_context().lora
-            if meta is not None and meta.token_indices.numel() > 0 and \
-                    (meta.module_groups is None or not meta.module_groups.isdisjoint(EXPERT_GROUPS)):
+            experts = meta.experts if meta is not None else None
+            if experts is not None and experts.token_indices.numel() > 0:
                 lora = (e.lora_gate_up.lora_a, e.lora_gate_up.lora_b, e.lora_down.lora_a, e.lora_down.lora_b)
-                return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, meta)
+                return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, experts)
         return fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids)

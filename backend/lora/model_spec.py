@@ -5,7 +5,8 @@ v), o_proj, gate_up_proj (slices gate, up), down_proj, and for MoE layers the ex
 and up, and experts_down; one LoRA per expert). HF/PEFT projection names map onto groups: Llama-style models name
 the slices (q_proj, ..., up_proj); Phi-3 names the fused modules (qkv_proj, gate_up_proj), whose one LoRA A serves
 every slice; MoE experts are parameters (experts.gate_up_proj, experts.down_proj), targeted with PEFT's
-target_parameters.
+target_parameters. The groups fall into two row spaces (`LoraModelSpec.space`): the dense groups and the expert
+groups, each with its own pools, so only adapters that target experts pay for expert rows.
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ class LoraGroupSpec:
         """Pool elements one rank row takes in one layer: A for each slice plus the B row (per expert)."""
         return max(1, self.num_experts) * (self.num_slices * self.in_features + self.out_features)
 
+    @property
+    def is_expert(self) -> bool:
+        return self.num_experts > 0
+
     def proj_shape(self, proj: str) -> tuple[int, int]:
         si = PROJ_TO_GROUP[proj][1]
         return self.in_features, self.out_features if si is None else self.output_sizes[si]
@@ -87,10 +92,16 @@ class LoraModelSpec:
 
     @property
     def elems_per_row(self) -> int:
-        return self.num_layers * sum(g.elems_per_row for g in self.groups)
+        """Pool elements of one rank row: every group in each layer that has it."""
+        return sum(len(self.layers_of(g)) * g.elems_per_row for g in self.groups)
 
     def bytes_per_row(self, dtype: torch.dtype) -> int:
         return self.elems_per_row * torch.empty((), dtype=dtype).element_size()
+
+    def space(self, expert: bool) -> "LoraModelSpec":
+        """The groups of one row space: the dense groups (attention, dense MLP) or the MoE expert groups. Each space
+        has its own pools and rows, so an adapter that does not target experts takes no expert rows."""
+        return LoraModelSpec(self.num_layers, tuple(g for g in self.groups if g.is_expert == expert), self.arch)
 
     @property
     def moe_family(self) -> str | None:
@@ -104,6 +115,7 @@ class LoraModelSpec:
         return self.group(GROUP_LAYOUT[PROJ_TO_GROUP[proj][0]][0])
 
     def layers_of(self, g: LoraGroupSpec) -> tuple[int, ...]:
+        """The layers that have the group (pools and adapter tensors stack these, in this order)."""
         return g.layers or tuple(range(self.num_layers))
 
     def proj_shape(self, proj: str) -> tuple[int, int]:

@@ -15,8 +15,9 @@ names in target_modules, "all-linear" on a MoE model), shape mismatches with the
 pickle-only `adapter_model.bin` (never unpickled), rank > max_lora_rank, non-finite weights.
 
 The result (`AdapterWeights`) holds, per module group (loom.lora.model_spec.GROUP_LAYOUT), A as
-[num_layers, (experts,) num_slices, rank, in] and B^T as [num_layers, (experts,) rank, sum(output_sizes)] (zeros
-for untargeted slices/layers); groups the adapter does not touch at all are absent (the pool writes zeros there).
+[group layers, (experts,) num_slices, rank, in] and B^T as [group layers, (experts,) rank, sum(output_sizes)] (the
+layers that have the group, as the pools stack them; zeros for untargeted slices/layers); groups the adapter does not
+touch at all are absent (the pool writes zeros there), and `ranks` gives each present group's largest module rank.
 A fused projection (Phi-3's qkv_proj, the experts' gate_up_proj) has one A for all its slices: it is copied into
 each slice, and B is split by slice.
 If modules of one adapter have different ranks (rank_pattern) they are zero-padded to the adapter's
@@ -48,7 +49,7 @@ from loom.lora.model_spec import (
 
 __all__ = ["SUPPORTED_PROJS", "GROUP_LAYOUT", "PROJ_TO_GROUP", "LoraGroupSpec", "LoraModelSpec", "hf_module_name",
            "AdapterLoadError", "AdapterWeights", "AdapterConfigInfo", "read_adapter_config", "parse_adapter_config",
-           "load_peft_adapter", "is_targeted"]
+           "load_peft_adapter", "is_targeted", "target_ranks"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -69,12 +70,13 @@ class AdapterLoadError(ValueError):
 class AdapterWeights:
     name: str
     path: str
-    rank: int  # rows this adapter takes in every pool (its largest module rank)
+    rank: int  # its largest module rank (every tensor is padded to it)
     scaling: float  # applied by the kernels; per-module differences are folded into B
-    a: dict[str, torch.Tensor]  # group name -> [num_layers, num_slices, rank, in]
-    b: dict[str, torch.Tensor]  # group name -> [num_layers, rank, sum(output_sizes)] (B transposed)
+    a: dict[str, torch.Tensor]  # group name -> [group layers, (experts,) num_slices, rank, in]
+    b: dict[str, torch.Tensor]  # group name -> [group layers, (experts,) rank, sum(output_sizes)] (B transposed)
     target_modules: list[str] = field(default_factory=list)  # projection names with weights
     content_hash: str = ""  # sha256 of config + weights files
+    ranks: dict[str, int] = field(default_factory=dict)  # group name -> largest rank of its modules (rows beyond: 0)
 
     @property
     def nbytes(self) -> int:
@@ -360,6 +362,28 @@ def _moe_targets(name: str, config: AdapterConfigInfo, spec: LoraModelSpec) -> s
     return found
 
 
+def target_ranks(name: str, config: AdapterConfigInfo, spec: LoraModelSpec) -> dict[tuple[int, str], int]:
+    """(layer, projection) -> rank, for every module (and expert weight) the config selects in this model as PEFT
+    matches it, with rank_pattern applied; known from the config alone, so the registry sizes an adapter's rows in
+    each row space before reading its weights (the loader then requires exactly these weights and ranks). Refuses
+    MoE targets PEFT would convert first and target names this model does not have."""
+    module_projs = spec.module_projs()
+    linear_names = tuple(dict.fromkeys(p for _, p in module_projs))
+    expert_targets = _moe_targets(name, config, spec)
+    if isinstance(config.target_modules, list):
+        for t in config.target_modules:
+            if t.rsplit(".", 1)[-1] not in linear_names:
+                raise _fail(name, f"target module {t!r} is not a module of this {spec.arch} (its projections: "
+                            f"{', '.join(linear_names)})")
+    targeted = {(layer, proj) for layer, proj in module_projs
+                if is_targeted(config.raw, hf_module_name(layer, proj), linear_names)} | expert_targets
+    out = {}
+    for layer, proj in targeted:
+        rk = _pattern_key(config.rank_pattern.keys(), hf_module_name(layer, proj))
+        out[(layer, proj)] = config.rank_pattern[rk] if rk is not None else config.r
+    return out
+
+
 def _read_expert_weights(name: str, entries: dict, spec: LoraModelSpec, mods: dict) -> None:
     """PEFT's expert LoRA (A [r*E, in], B [out, r*E]) -> per expert A_e = A.view(E, r, in)[e] and
     B_e = B.view(out, r, E)[:, :, e], into mods[(layer, experts.* projection)]; which parameter a wrapper holds
@@ -401,14 +425,8 @@ def load_peft_adapter(
 
     if config is None:
         config = read_adapter_config(adapter_dir, name, max_lora_rank)
-    module_projs = spec.module_projs()
-    linear_names = tuple(dict.fromkeys(p for _, p in module_projs))
-    expert_targets = _moe_targets(name, config, spec)
-    if isinstance(config.target_modules, list):
-        for t in config.target_modules:
-            if t.rsplit(".", 1)[-1] not in linear_names:
-                raise _fail(name, f"target module {t!r} is not a module of this {spec.arch} (its projections: "
-                            f"{', '.join(linear_names)})")
+    linear_names = tuple(dict.fromkeys(p for _, p in spec.module_projs()))
+    targeted = set(target_ranks(name, config, spec))
     cfg_bytes = b""
     try:
         with open(os.path.join(adapter_dir, CONFIG_NAME), "rb") as f:
@@ -490,8 +508,6 @@ def load_peft_adapter(
             raise _fail(name, f"{where}: weights contain NaN or Inf")
 
     present = sorted({proj for _, proj in mods}, key=ALL_PROJS.index)
-    targeted = {(layer, proj) for layer, proj in module_projs
-                if is_targeted(config.raw, hf_module_name(layer, proj), linear_names)} | expert_targets
     extra = sorted(set(mods) - targeted)
     if extra:
         raise _fail(name, f"weights for {_describe(extra)} are not in target_modules {config.target_modules!r}"
@@ -508,11 +524,13 @@ def load_peft_adapter(
 
     a_out: dict[str, torch.Tensor] = {}
     b_out: dict[str, torch.Tensor] = {}
+    group_ranks: dict[str, int] = {}
     for g in spec.groups:
         here = [(layer, proj) for (layer, proj) in mods if spec.group_of(proj) is g]
         if not here:
             continue
-        lead = (spec.num_layers,) + ((g.num_experts,) if g.num_experts else ())
+        pos = {layer: i for i, layer in enumerate(spec.layers_of(g))}  # the weights' layers all have the group
+        lead = (len(pos),) + ((g.num_experts,) if g.num_experts else ())
         a = torch.zeros(*lead, g.num_slices, rank, g.in_features, dtype=dtype)
         b = torch.zeros(*lead, rank, g.out_features, dtype=dtype)
         offs = g.slice_offsets
@@ -523,12 +541,13 @@ def load_peft_adapter(
             ratio = module_scaling[(layer, proj)] / base_scaling
             bt = e["Bt"] if ratio == 1.0 else e["Bt"].float() * ratio
             for s in (range(g.num_slices) if si is None else [si]):  # a fused projection's A serves every slice
-                a[layer][..., s, :r, :].copy_(e["A"])
+                a[pos[layer]][..., s, :r, :].copy_(e["A"])
             lo, hi = (0, g.out_features) if si is None else (offs[si], offs[si + 1])
-            b[layer][..., :r, lo:hi].copy_(bt)
+            b[pos[layer]][..., :r, lo:hi].copy_(bt)
         a_out[g.name] = a
         b_out[g.name] = b
-    w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash)
+        group_ranks[g.name] = max(module_rank[m] for m in here)
+    w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash, group_ranks)
     if pin_memory:
         w.pin_memory()
     return w

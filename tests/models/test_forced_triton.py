@@ -21,7 +21,8 @@ def test_parity_through_the_triton_kernels(tiny_model, tmp_path, monkeypatch, fa
     monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
     # 3 blocks for prompts needing 1 + 2 + 2: preemption; 16 tokens a step: the window-crossing prompt is chunked
     llm = LLM(path, block_size=16, max_num_batched_tokens=16, kv_cache_memory_bytes=3 * block_bytes(model.config),
-              enable_prefix_caching=False, adapter_roots=[str(tmp_path / "root")], max_lora_rank=8)
+              enable_prefix_caching=False, adapter_roots=[str(tmp_path / "root")], max_lora_rank=8,
+              lora_expert_memory_bytes=4 << 20)
     prompts = random_prompts([2, 15, 27], model.config.vocab_size, seed=31)
     names = ["a", None, None]  # the adapter request joins once its adapter is loaded
     check(llm, model, prompts[:1], 3)  # alone
