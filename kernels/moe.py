@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# P (the step's token-expert pairs) is not specialised on: a new value must never mean a new compile mid-serving.
+@triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, bexp_ptr,
     stride_xt, stride_we, stride_wn, stride_hm,
@@ -60,7 +61,7 @@ def _gate_up_kernel(
              mask=valid[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     stride_hm, stride_we, stride_wn, stride_op,

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from loom.device import bind_thread
 from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.faults import is_sticky_device_error
 from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
@@ -258,6 +259,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            bind_thread(getattr(getattr(self.engine, "runner", None), "device", None))  # Triton's current device
             self._loop()
         except BaseException as e:  # only what the loop's own guard does not catch (SystemExit, ...)
             if not self._stopping:
