@@ -32,6 +32,9 @@ class EngineConfig:
     # Bounds on requests
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
     seed: int = 0
+    # CPU
+    cpu_threads: int = 0  # compute threads; 0 = torch's count, capped at the cores this process may use
+    cpu_compile: bool = False  # torch.compile the forward at start (minutes; faster steps)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +55,9 @@ class EngineConfig:
         check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 256, "max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank!r}")
         check(isinstance(self.lora_memory_bytes, int) and self.lora_memory_bytes >= 0, "lora_memory_bytes", "must be an integer >= 0")
         check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
+        check(isinstance(self.cpu_threads, int) and 0 <= self.cpu_threads <= 1024, "cpu_threads",
+              f"must be in [0, 1024] (0 = automatic), got {self.cpu_threads!r}")
+        check(isinstance(self.cpu_compile, bool), "cpu_compile", f"must be true or false, got {self.cpu_compile!r}")
         check(isinstance(self.adapter_roots, list) and all(isinstance(r, str) for r in self.adapter_roots), "adapter_roots", "must be a list of directory paths")
         for r in self.adapter_roots:
             check(os.path.isdir(r), "adapter_roots", f"{r!r} is not an existing directory")

@@ -54,6 +54,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device, self.runner.dtype)
+        self.runner.forward.warm_up(config.block_size)  # compiles a compiled CPU forward now (pools attached)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)
         self.sampler = Sampler()

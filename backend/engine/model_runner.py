@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import torch
 
+from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
@@ -44,6 +45,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros((self.num_layers, 2) + shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.forward = build_forward(self)  # eager, or compiled on CPU (cpu_compile)
 
     # ---- KV sizing -----------------------------------------------------------------------------
     @property
@@ -130,6 +132,5 @@ class ModelRunner:
         """Returns float32 logits of the sampled sequences and their indices into batch.seqs."""
         ids, ctx, sampled = self.prepare(batch, lora)
         with forward_context(ctx):
-            hidden = self.model(ids, ctx.positions)
-            logits = self.model.compute_logits(hidden[ctx.logits_indices]) if sampled else hidden.new_empty((0, self.vocab_size))
+            logits = self.forward(ids, ctx.positions, ctx.logits_indices)
         return logits, sampled
