@@ -1,4 +1,5 @@
-"""Paged attention on CPU that reads K/V in place through the block table (C++, kernels/cpu_ext.py).
+"""Paged attention on CPU that reads K/V in place through the block table (C++, kernels/cpu_ext.py), and the
+store of a step's K/V into the cache.
 
 The references (paged_decode_attention_ref / paged_prefill_attention_ref) gather every sequence's K/V
 into a padded copy and run SDPA; these walk the block table instead: per (sequence, kv head) for decode,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from loom.kernels import cpu_ext
+from loom.kernels.kv_store import store_kv_ref
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
@@ -42,6 +44,26 @@ def _cache_ok(k_cache, v_cache) -> bool:
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
+    """k/v [T, KVH, D] into the caches at slot_mapping [T] (block * block_size + offset; -1 = skip), as
+    store_kv_ref; one row copy per token."""
+    lib = cpu_ext.load()
+    T = k.shape[0]
+    ok = (lib is not None and cpu_ext.usable(k, v, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
+          and k.shape == v.shape and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+          and slot_mapping.shape[0] == T and all(_rows(t) for t in (k, v)))
+    if not ok:
+        return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    if T:
+        lib.loom_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slot_mapping.data_ptr(), T, k_cache.shape[2] * k_cache.shape[3])
+
+
+def _rows(t: torch.Tensor) -> bool:
+    # each token's [KVH, D] contiguous (tokens may be strided, e.g. views into a fused qkv output)
+    return t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
 
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,

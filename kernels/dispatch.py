@@ -10,8 +10,8 @@ import torch
 
 from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from loom.kernels.cpu_lora import lora_expand_cpu, lora_shrink_cpu
-from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
-from loom.kernels.kv_store import store_kv_ref, store_kv_triton
+from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
+from loom.kernels.kv_store import store_kv_triton
 from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
 from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_triton
@@ -25,7 +25,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    return (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
+    return (store_kv_triton if use_triton(k) else store_kv_cpu)(k, v, k_cache, v_cache, slot_mapping)
 
 
 def _attention_options(sliding_window, softcap) -> dict:

@@ -1,6 +1,6 @@
 """The C++ CPU kernels (kernels/cpu_ext.py) against float64 naive loops and the PyTorch references: paged
 attention reading the cache in place (decode, prefill over cached prefixes, sliding window, softcap) and
-multi-LoRA over adapter rows in place."""
+multi-LoRA over adapter rows in place, and the GEMM over packed weights."""
 import pytest
 import torch
 
@@ -98,6 +98,23 @@ def test_same_as_references_on_a_model_sized_batch():
     assert kcases.rel_err(got, paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.125)) < 1e-6
 
 
+def test_store_kv_vs_reference():
+    from loom.kernels.cpu_paged_attention import store_kv_cpu
+    from loom.kernels.kv_store import store_kv_ref
+
+    torch.manual_seed(4)
+    T, kvh, d = 10, 3, 16
+    qkv = torch.randn(T, (2 + 2 * kvh) * d)  # k/v as strided views of a fused output, as the layers pass them
+    k, v = qkv[:, 2 * d:(2 + kvh) * d].view(T, kvh, d), qkv[:, (2 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(4 * 8)[:T]
+    slots[torch.randperm(T)[:3]] = -1
+    caches = [torch.full((4, 8, kvh, d), float("nan")) for _ in range(4)]
+    store_kv_cpu(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+
+
 def test_other_dtypes_use_the_reference():
     torch.manual_seed(1)
     kc, vc, bt, sl = kcases.make_paged_cache([5, 9], 8, 1, 16, torch.float64, "cpu")
@@ -144,3 +161,29 @@ def test_lora_cpu_vs_reference(max_tokens, monkeypatch):
     assert kcases.rel_err(got, want) < 1e-6
     untouched = owner == -1  # tokens without an adapter keep y exactly
     assert torch.equal(got[untouched], y0[untouched])
+
+
+# ---- GEMM over packed weights ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemm_vs_linear(threads):
+    from loom.kernels.cpu_linear import PackedWeight, linear_packed
+
+    torch.manual_seed(3)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, bias in [(50, 7, True), (24, 64, False), (97, 130, True), (5, 3, False)]:
+            w, b = torch.randn(n, k), torch.randn(n) if bias else None
+            pw = PackedWeight(w, b)
+            for m in (0, 1, 3, 4, 5, 33):  # row tiles of 4 and every remainder
+                wide = torch.randn(m, k + 5)
+                x = wide[:, 2:2 + k]  # rows with a stride larger than K
+                got = pw(x)
+                assert got.shape == (m, n)
+                if m:
+                    assert kcases.rel_err(got, torch.nn.functional.linear(x, w, b)) < 1e-6
+            x3 = torch.randn(2, 3, k)
+            assert torch.equal(linear_packed(x3, pw.panels, pw.bias, n), pw(x3.reshape(6, k)).view(2, 3, n))
+    finally:
+        torch.set_num_threads(prev)
