@@ -1,15 +1,16 @@
 """The model's forward + logits as one callable for the model runner: eager, or compiled with torch.compile.
 
-Eager (the reference): the model as written; on CPU float32 its linear layers run oneDNN GEMMs over
-pre-packed weights (engine/cpu.py) and attention / LoRA the in-place C++ kernels (kernels/cpu_*.py).
+Eager: the model as written; on CPU float32 its linear layers run the C++ GEMM over packed weights
+(kernels/cpu_linear.py, set up by engine/cpu.py) and attention / LoRA the in-place C++ kernels
+(kernels/cpu_*.py). With LOOM_CPU_KERNELS=0 it is the PyTorch reference path (F.linear, SDPA).
 
-Compiled (`cpu_compile`, CPU only): inductor with freezing over the whole forward and the logits - the
-weights become constants packed for oneDNN, the elementwise work between GEMMs (norms, residual adds, rotary,
-SiLU) is fused into generated C++ loops, and the Python of ~30 layers becomes one call. Attention and LoRA
-stay opaque ops (`loom::paged_attention`, `loom::apply_lora`) that read the per-step forward context. Token
-and logits counts are unbacked dynamic sizes: one graph serves every step, sizes 0 and 1 included.
-Compiled once per start (a few minutes for a 30-layer model on one core; freezing keeps inductor's graph cache
-from reusing it across starts, only its compiled C++ kernels are reused).
+Compiled (`cpu_compile`, CPU only): inductor over the whole forward and the logits - the elementwise work
+between the GEMMs (norms, residual adds, rotary, SiLU) is fused into generated C++ loops and the Python of
+~30 layers becomes one call. The GEMMs (`loom::linear_packed`), attention (`loom::paged_attention`) and LoRA
+(`loom::apply_lora`) stay opaque ops, the same kernels as eager; the last two read the per-step forward
+context. Token and logits counts are unbacked dynamic sizes: one graph serves every step, sizes 0 and 1
+included. Compiled once per start (minutes for a 30-layer model on one core); inductor's caches on disk
+(its FX graph and compiled C++ kernels) shorten later starts.
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ class EagerForward:
 
 
 def build_forward(runner) -> EagerForward | CompiledForward:
-    """The runner's forward; on CPU also applies the thread count and the CPU tuning, and packs the linear
-    weights (eager) or sets up compilation (cpu_compile: done by warm_up(), once the LoRA pools are attached,
-    or by the first step)."""
+    """The runner's forward; on CPU also applies the thread count and the CPU tuning and packs the linear
+    weights; with cpu_compile it compiles in warm_up() (called once the LoRA pools are attached) or else in
+    the first step."""
     from loom.engine import cpu
     from loom.kernels import cpu_ext
 
@@ -62,22 +63,22 @@ def build_forward(runner) -> EagerForward | CompiledForward:
     cpu.tune_mkl_for_amd()
     cpu.set_compute_threads(config.cpu_threads)
     cpu_ext.load()  # build (once per machine) or load the C++ kernels now, not in the first step
-    if config.cpu_compile:
-        return CompiledForward(model)
-    if cpu.can_pack(runner.dtype, runner.device) and cpu_ext.enabled():
+    if cpu.can_pack(runner.dtype, runner.device):
         cpu.pack_linear_weights(model)
-    return EagerForward(model)
+    return CompiledForward(model) if config.cpu_compile else EagerForward(model)
 
 
 class CompiledForward:
     """forward(input_ids [T], positions [T], logits_indices [S]) -> logits [S, vocab] float32, compiled."""
 
     def __init__(self, model):
-        import torch._inductor.config  # noqa: F401  (makes the inductor options below known)
-
         self.model = model
         self.compile_s = 0.0
-        self._fn = torch.compile(_forward(model), dynamic=True, fullgraph=True, options={"freezing": True})
+        # No guards: the graph holds for every step of this model (unbacked sizes; the model does not change after
+        # warm_up, and the per-step state is read at run time by the opaque ops). Evaluating the guards on the
+        # ~800 modules and tensors would cost ~10 ms a step.
+        self._fn = torch.compile(_forward(model), dynamic=True, fullgraph=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
 
     def __call__(self, input_ids, positions, logits_indices):
         # Unbacked sizes: torch would otherwise specialise sizes 0 and 1 and compile again mid-run (a single

@@ -1,5 +1,5 @@
 """CPU set-up the engine applies at its start (not at import: importing loom has no side effects): the number
-of compute threads, MKL's instruction set on AMD, and GEMMs over pre-packed weights."""
+of compute threads, MKL's instruction set on AMD, and the linear layers' GEMMs over packed weights."""
 from __future__ import annotations
 
 import logging
@@ -62,35 +62,25 @@ def set_compute_threads(requested: int) -> int:
     return n
 
 
-class PackedLinear:
-    """y = x @ W^T + b with W re-laid-out once for oneDNN's GEMM (what torch.compile's freezing does, here in
-    eager mode): for the decode shapes (tens of rows) about 1.3-1.6x MKL's sgemm, which re-packs W at every
-    call. Holds a second copy of W."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-
-
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    from loom.kernels import cpu_ext
+
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ext.load() is not None
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Route every linear layer of a CPU float32 model through PackedLinear (LoRALinear via its `dense` hook,
-    plain nn.Linear such as lm_head via its forward). Returns how many were packed."""
+    """Route every linear layer of a CPU float32 model through the C++ GEMM over packed weights
+    (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head) via its forward.
+    Returns how many were packed; each holds a second, packed copy of its weight."""
+    from loom.kernels.cpu_linear import PackedWeight
     from loom.layers.linear import LoRALinear
 
     n = 0
     for mod in model.modules():
         if isinstance(mod, LoRALinear):
-            mod.dense = PackedLinear(mod.weight, mod.bias)
+            mod.dense = PackedWeight(mod.weight, mod.bias)
         elif isinstance(mod, nn.Linear):
-            mod.forward = PackedLinear(mod.weight, mod.bias)
+            mod.forward = PackedWeight(mod.weight, mod.bias)
         else:
             continue
         n += 1

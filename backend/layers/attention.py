@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from loom.kernels import paged_decode_attention, paged_prefill_attention, store_kv
+from loom.kernels import paged_decode_attention, paged_prefill_attention, store_kv, torch_ops
 from loom.layers.forward_context import get_forward_context
 
 
@@ -51,9 +51,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 # It also writes this step's K/V into the caches; no op of a compiled graph reads them, so declaring it
 # free of side effects keeps the graph functional (the caches are never copied).
-_op = torch.library.custom_op("loom::paged_attention", paged_attention, mutates_args=())
-
-
-@_op.register_fake
-def _(q, k, v, k_cache, v_cache, scale, sliding_window=None, softcap=None):
-    return torch.empty_like(q)
+torch_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
+                 "SymInt? sliding_window=None, float? softcap=None) -> Tensor", paged_attention,
+                 lambda q, *args, **kw: torch.empty_like(q))

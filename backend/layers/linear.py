@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import lora_expand, lora_shrink
+from loom.kernels import lora_expand, lora_shrink, torch_ops
 from loom.layers.forward_context import get_forward_context
 
 
@@ -44,12 +44,8 @@ class LoRALinear(nn.Module):
             self.bias.data[lo:hi].copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # `dense`: set by the engine on CPU to a GEMM over a pre-packed copy of the weight (eager only:
-        # torch.compile packs the weights itself)
-        if self.dense is not None and not torch.compiler.is_compiling():
-            y = self.dense(x)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        # `dense`: set by the engine on CPU to a GEMM over a packed copy of the weight (kernels/cpu_linear.py)
+        y = F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         if self.lora_a is not None:
             fn = torch.ops.loom.apply_lora if torch.compiler.is_compiling() else apply_lora
             fn(x, y, self.lora_a, self.lora_b, self.slice_offsets, self.lora_group)
@@ -67,4 +63,5 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
 
 
 # Under torch.compile the LoRA part is one opaque op: it reads the per-step forward context.
-torch.library.custom_op("loom::apply_lora", apply_lora, mutates_args=("y",))
+torch_ops.define("apply_lora(Tensor x, Tensor(a!) y, Tensor lora_a, Tensor lora_b, SymInt[] slice_offsets, "
+                 "str? group) -> ()", apply_lora, lambda *args: None)
