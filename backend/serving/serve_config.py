@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from loom.engine.config import EngineConfig
+from loom.engine.cpu import serving_threads
 from loom.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
 from loom.errors import ConfigError, RequestError
 from loom.serving.request_parser import Limits, to_bool, to_float, to_int
@@ -80,8 +81,9 @@ def _path(p: str, base_dir: str) -> str:
     return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
 
 
-def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
-    """`parameters`: config.pbtxt's parameters as in args["model_config"] ({key: {"string_value": v}})."""
+def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1) -> ServeConfig:
+    """`parameters`: config.pbtxt's parameters as in args["model_config"] ({key: {"string_value": v}});
+    `instances`: how many model instances the server runs (they share the cores)."""
     eng_kwargs: dict = {}
     opt_kwargs: dict = {}
     for key, val in (parameters or {}).items():
@@ -103,6 +105,9 @@ def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
         else:
             known = sorted(set(_ENGINE_TYPES) | set(_OPTION_TYPES))
             raise ConfigError(key, f"unknown parameter; known: {', '.join(known)}")
+    if not eng_kwargs.get("cpu_threads"):
+        # Inside a server the engine shares the cores with the server's own threads: never oversubscribe them.
+        eng_kwargs["cpu_threads"] = serving_threads(instances)
     opts = ServeOptions(**opt_kwargs)
     for name, lo in (("max_queue_size", 1), ("max_logprobs", 0), ("max_prompt_chars", 1), ("sender_threads", 1),
                      ("max_tokens_limit", 0)):
