@@ -449,6 +449,63 @@ void loom_store_kv(const float* k, int64_t ks, const float* v, int64_t vs, float
   }
 }
 
+// ---- pointwise work between the GEMMs (one call per layer part instead of ~10 small torch ops)
+
+// res_out = x + res (or x); out = res_out * (1 / sqrt(mean(res_out^2) + eps)) * w, per row of N
+void loom_rms_norm(const float* x, int64_t xs, const float* res, int64_t rs, const float* w, float eps, float* out,
+                   int64_t os, float* res_out, int64_t ros, int64_t T, int64_t N) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * xs;
+    float* ro = res_out + t * ros;
+    for (int64_t i = 0; i < N; ++i) ro[i] = res ? xr[i] + res[t * rs + i] : xr[i];
+    const float inv = 1.f / std::sqrt(dot(ro, ro, N) / float(N) + eps);
+    float* o = out + t * os;
+    for (int64_t i = 0; i < N; ++i) o[i] = ro[i] * inv * w[i];
+  }
+}
+
+// neox rotary in place: for each head row x of q [T, H, D] and k [T, KVH, D] (strides s0 per token, s1 per head),
+// x[i], x[i + D/2] = x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin; cos / sin from cs[pos[t]] (D floats)
+void loom_rotary(const int64_t* pos, const float* cs, int64_t D, float* q, int64_t qs0, int64_t qs1, int64_t H,
+                 float* k, int64_t ks0, int64_t ks1, int64_t KVH, int64_t T) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cs + pos[t] * D;
+    const float* sn = c + half;
+    for (int64_t which = 0; which < 2; ++which) {
+      float* base = which ? k + t * ks0 : q + t * qs0;
+      const int64_t heads = which ? KVH : H, hs = which ? ks1 : qs1;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = base + h * hs;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * sn[i];
+          x[i + half] = x2 * c[i] + x1 * sn[i];
+        }
+      }
+    }
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, I + i], silu(v) = v / (1 + exp(-v)); x rows of stride xs, out rows of I
+void loom_silu_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = x + t * xs;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+      const __m256 v = _mm256_loadu_ps(g + i);
+      const __m256 e = exp256(_mm256_sub_ps(zero, v));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
 // W [N, K] row-major -> panels Bp [ceil(N / 24), K, 24]
 void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
   const int64_t P = (N + NR - 1) / NR;
@@ -499,6 +556,9 @@ _SIGNATURES = {
     "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _I64, _I32],
     "loom_lora_expand": [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I32],
     "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
+    "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64],
+    "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64],
+    "loom_silu_mul": [_P, _I64, _P, _I64, _I64],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32],
 }
@@ -537,7 +597,9 @@ def _build():
     if shutil.which(cxx) is None:
         log.warning("loom CPU kernels unavailable (no C++ compiler %r); using the PyTorch references", cxx)
         return None
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-std=c++17", *_isa_flags()]
+    # no FMA contraction of plain C++ expressions: the pointwise kernels round like the PyTorch references
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17",
+             *_isa_flags()]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         key = hashlib.sha256("\0".join([_SOURCE, version, *flags]).encode()).hexdigest()[:20]

@@ -1,22 +1,23 @@
 """The one place that picks an implementation: Triton for CUDA tensors, or everywhere when
-LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); on CPU, the C++ kernels for
-paged attention and LoRA (kernels/cpu_*.py: they run the reference themselves for what they do not take,
-and everywhere with LOOM_CPU_KERNELS=0); the reference otherwise."""
+LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); on CPU, the C++ kernels
+(kernels/cpu_*.py: they run the reference themselves for what they do not take, and everywhere with
+LOOM_CPU_KERNELS=0); the reference otherwise."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: F401  (tests reach the ref here)
 from loom.kernels.cpu_lora import lora_expand_cpu, lora_shrink_cpu
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
+from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from loom.kernels.kv_store import store_kv_triton
 from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
-from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
+from loom.kernels.norm import fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_triton
-from loom.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from loom.kernels.rotary import rotary_embedding_triton
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -48,15 +49,15 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps)
+    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_cpu)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
-    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
+    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_cpu)(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_cpu)(x)
 
 
 def lora_shrink(x, lora_a, meta, out=None):

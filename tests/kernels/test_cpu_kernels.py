@@ -187,3 +187,27 @@ def test_packed_gemm_vs_linear(threads):
             assert torch.equal(linear_packed(x3, pw.panels, pw.bias, n), pw(x3.reshape(6, k)).view(2, 3, n))
     finally:
         torch.set_num_threads(prev)
+
+
+# ---- pointwise ------------------------------------------------------------------------------------------
+
+def test_pointwise_vs_references():
+    from loom.kernels import activation, norm, rotary
+    from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+
+    torch.manual_seed(5)
+    x, r, w = torch.randn(7, 96), torch.randn(7, 96), torch.rand(96) + 0.5
+    for res in (None, r):
+        got, want = fused_add_rms_norm_cpu(x, res, w, 1e-6), norm.fused_add_rms_norm_ref(x, res, w, 1e-6)
+        assert torch.equal(got[1], want[1]) and kcases.rel_err(got[0], want[0]) < 1e-6
+    cs = kcases.cos_sin_cache(100, 16, "cpu")
+    pos = torch.randint(0, 100, (9,))
+    qkv = torch.randn(9, 16 * (6 + 2 + 2))  # q and k as strided views of a fused output
+    q, k = qkv[:, :96].view(9, 6, 16), qkv[:, 96:128].view(9, 2, 16)
+    q2, k2, v = q.clone(), k.clone(), qkv[:, 128:].clone()
+    rotary_embedding_cpu(pos, q, k, cs)
+    rotary.rotary_embedding_ref(pos, q2, k2, cs)
+    assert kcases.rel_err(q, q2) < 1e-6 and kcases.rel_err(k, k2) < 1e-6
+    assert torch.equal(qkv[:, 128:], v)  # v untouched (it shares the storage)
+    for t in (torch.randn(5, 2 * 37) * 4, torch.randn(3, 2 * 64 + 8)[:, :128] * 30):
+        assert kcases.rel_err(silu_and_mul_cpu(t), activation.silu_and_mul_ref(t)) < 1e-6
