@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -45,6 +45,7 @@ _OUTPUTS = [
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
 ]
 
 
@@ -84,6 +85,8 @@ class _Ctx:
     parsed: ParsedRequest
     prompt_ids: list[int]
     num_sent_tokens: int = 0
+    reasons: dict = field(default_factory=dict)  # completion index -> its finish reason once it ended
+    cumulative: dict = field(default_factory=dict)  # completion index -> latest cumulative logprob
 
 
 class TritonPythonModel:
@@ -129,16 +132,23 @@ class TritonPythonModel:
         self.vocab_size = len(self.encoder)
         self._token_cache: dict[int, str] = {}
         self._token_lock = threading.Lock()
+        self.model_name = args["model_name"]
+        self._grammar_lock = threading.Lock()
         self.metrics = None
-        if cfg.options.metrics:
+        names = [n for n, on in (("loom", cfg.options.metrics), ("vllm", cfg.options.vllm_metrics)) if on]
+        if names:
             from loom.serving.metrics import LoomMetrics
             labels = {"model": args["model_name"], "version": str(args["model_version"])}
             max_len = self.engine.max_model_len
-            self.metrics = LoomMetrics(pb_utils, labels, max_len)
+            cache_info = {"block_size": self.engine.block_manager.block_size,
+                          "num_gpu_blocks": self.engine.block_manager.num_blocks}
+            self.metrics = LoomMetrics(pb_utils, labels, max_len, names=names,
+                                       lora_info_prefix=cfg.options.lora_info_prefix, cache_info=cache_info)
         # Adapters named by requests load on first use from <adapter root>/<name> (the engine's registry).
         self.async_engine = AsyncEngine(self.engine, max_queue_size=cfg.options.max_queue_size,
                                         default_timeout_s=cfg.options.default_request_timeout_s or None,
-                                        observer=self.metrics)
+                                        observer=self.metrics, max_failed_steps=cfg.options.max_failed_steps,
+                                        on_unhealthy=self._on_unhealthy)
         self.streamer = ResponseStreamer(self._send, cfg.options.sender_threads)
         log.info(f"model {args['model_name']} ready: {cfg.engine.model} on {cfg.engine.device}")
 
@@ -169,6 +179,10 @@ class TritonPythonModel:
             if t is not None:
                 inputs[name] = t.as_numpy()
         parsed = parse_request(inputs, params, self.limits)
+        if parsed.ids_mode and parsed.params.n > 1:
+            raise RequestError("n", "n > 1 needs text_input (output_ids carries one completion)")
+        if parsed.params.structured_outputs is not None:
+            self._grammars().compile(parsed.params.structured_outputs)  # here, not in the engine loop: cached
         if parsed.ids_mode:
             prompt_ids = parsed.prompt_token_ids
             if max(prompt_ids) >= self.vocab_size:
@@ -181,6 +195,39 @@ class TritonPythonModel:
         self.async_engine.submit(uuid.uuid4().hex, prompt_ids, parsed.params, parsed.lora_name,
                                  on_output=self.streamer.open(ctx, parsed.stream), is_cancelled=sender.is_cancelled,
                                  timeout_s=parsed.request_timeout_s)
+
+    def _grammars(self):
+        """The engine's structured-output compiler, made here with this thread's tokenizer copy."""
+        with self._grammar_lock:
+            g = self.engine.grammar_compiler
+            if g is None:
+                from loom.engine.structured_output import GrammarCompiler
+                g = GrammarCompiler(self.encoder, self.engine.runner.vocab_size, sorted(self.engine.eos_token_ids))
+                self.engine.grammar_compiler = g
+            return g
+
+    # ------------------------------------------------------------ health
+
+    def is_model_ready(self) -> bool:
+        """Asked by Triton's readiness endpoints where the Python backend supports it (25.12 and later)."""
+        ae = getattr(self, "async_engine", None)
+        return ae is not None and ae.health() is None
+
+    def _on_unhealthy(self, reason: str) -> None:
+        """The engine can no longer serve: with health_check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK) the model
+        unloads itself, so every Triton version reports it not ready (this needs --model-control-mode=explicit)."""
+        if not self.cfg.options.health_check:
+            log.error(f"engine unhealthy ({reason}); health_check is off: the model stays loaded, refusing requests")
+            return
+
+        def unload():
+            try:
+                pb_utils.unload_model(self.model_name)
+                log.error(f"engine unhealthy ({reason}): unloading model {self.model_name}")
+            except Exception as e:
+                log.error(f"engine unhealthy ({reason}); unloading {self.model_name} failed (it needs "
+                          f"--model-control-mode=explicit): {e}")
+        threading.Thread(target=unload, name="loom-health-unload", daemon=True).start()
 
     def _adapter_request(self, op: AdapterOp, sender) -> None:
         # The registry resolves and checks lora_path (one rule for every way an adapter is loaded).
@@ -207,36 +254,59 @@ class TritonPythonModel:
         except Exception:
             log.error("could not send an error response:\n" + traceback.format_exc())
 
-    def _send(self, ctx: _Ctx, d: RequestDelta) -> None:
-        if d.error:
-            if ctx.parsed.stream and (d.text or d.token_ids) and d.error_kind != "cancelled":
-                ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, d, final=False)))
-            self._send_error(ctx.sender, d.error, d.error_kind)
+    def _send(self, ctx: _Ctx, ds: list[RequestDelta]) -> None:
+        failed = next((d for d in ds if d.error), None)
+        if failed is not None:
+            if ctx.parsed.stream and any(d.text or d.token_ids for d in ds) and failed.error_kind != "cancelled":
+                ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, ds)))
+            self._send_error(ctx.sender, failed.error, failed.error_kind)
             return
-        ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, d, d.finished)),
-                        flags=FINAL if d.finished else 0)
+        final = any(d.finished for d in ds)
+        ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, ds)), flags=FINAL if final else 0)
 
-    def _tensors(self, ctx: _Ctx, d: RequestDelta, final: bool) -> list:
+    def _tensors(self, ctx: _Ctx, ds: list[RequestDelta]) -> list:
+        """vllm_backend's outputs: one element per completion (n), each the completion's delta since the last
+        response (the whole text when not streaming); num_input_tokens once."""
         p = ctx.parsed
-        text, ids = d.text, d.token_ids
+        n = p.params.n
+        by_index = {d.index: d for d in ds}
+        deltas = [by_index.get(i) for i in range(n)]
+        for i, d in enumerate(deltas):
+            if d is not None:
+                ctx.cumulative[i] = d.cumulative_logprob
+                if d.finish_reason is not None:
+                    ctx.reasons[i] = d.finish_reason
+        prefix = ""
         if not p.exclude_input_in_output:  # only non-streamed requests get here (vllm_backend semantics)
-            text = (p.prompt if p.prompt is not None else self.token_decoder.decode(ctx.prompt_ids)) + text
-            ids = ctx.prompt_ids + ids
-        out = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        if p.ids_mode:
+            prefix = p.prompt if p.prompt is not None else self.token_decoder.decode(ctx.prompt_ids)
+        texts = [(prefix + (d.text if d is not None else "")).encode("utf-8") for d in deltas]
+        out = [pb_utils.Tensor("text_output", np.array(texts, dtype=np.object_))]
+        if p.ids_mode:  # n == 1 here
+            ids = deltas[0].token_ids if deltas[0] is not None else []
+            if not p.exclude_input_in_output:
+                ids = ctx.prompt_ids + ids
             out.append(pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)))
         r = p.returns
         if r.finish_reason:
-            out.append(pb_utils.Tensor("finish_reason", np.array([str(d.finish_reason if final else None).encode()],
-                                                                  dtype=np.object_)))
+            reasons = [str(ctx.reasons.get(i)).encode() for i in range(n)]
+            out.append(pb_utils.Tensor("finish_reason", np.array(reasons, dtype=np.object_)))
         if r.cumulative_logprob:
-            out.append(pb_utils.Tensor("cumulative_logprob", np.array([d.cumulative_logprob], dtype=np.float32)))
+            cum = [ctx.cumulative.get(i, 0.0) for i in range(n)]
+            out.append(pb_utils.Tensor("cumulative_logprob", np.array(cum, dtype=np.float32)))
         if r.logprobs:
-            out.append(pb_utils.Tensor("logprobs", np.array([self._logprobs_json(d).encode()], dtype=np.object_)))
+            lps = [self._logprobs_json(d.logprobs if d is not None else ([] if p.params.logprobs is not None else None))
+                   .encode() for d in deltas]
+            out.append(pb_utils.Tensor("logprobs", np.array(lps, dtype=np.object_)))
         if r.num_input_tokens:
-            out.append(pb_utils.Tensor("num_input_tokens", np.array([d.num_prompt_tokens], dtype=np.uint32)))
+            num_in = next((d.num_prompt_tokens for d in ds), 0)
+            out.append(pb_utils.Tensor("num_input_tokens", np.array([num_in], dtype=np.uint32)))
         if r.num_output_tokens:
-            out.append(pb_utils.Tensor("num_output_tokens", np.array([len(d.token_ids)], dtype=np.uint32)))
+            counts = [len(d.token_ids) if d is not None else 0 for d in deltas]
+            out.append(pb_utils.Tensor("num_output_tokens", np.array(counts, dtype=np.uint32)))
+        plp = next((d.prompt_logprobs for d in ds if d.prompt_logprobs is not None), None)
+        if plp is not None:  # asked for with prompt_logprobs; sent once, with the first token
+            out.append(pb_utils.Tensor("prompt_logprobs", np.array([self._prompt_logprobs_json(plp).encode()],
+                                                                   dtype=np.object_)))
         return out
 
     def _token_text(self, tid: int) -> str:
@@ -246,12 +316,12 @@ class TritonPythonModel:
                 s = self._token_cache[tid] = self.token_decoder.decode([tid])
         return s
 
-    def _logprobs_json(self, d: RequestDelta) -> str:
+    def _logprobs_json(self, logprobs) -> str:
         # vllm_backend's format: one {token_id: {logprob, rank, decoded_token}} per generated token.
-        if d.logprobs is None:
+        if logprobs is None:
             return "null"
         items = []
-        for tl in d.logprobs:
+        for tl in logprobs:
             entry = {}
             for rank, (tid, lp) in enumerate(tl.top, start=1):
                 entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tid)}
@@ -259,6 +329,21 @@ class TritonPythonModel:
                 rank = 1 + sum(1 for _, lp in tl.top if lp > tl.logprob)
                 entry = {str(tl.token_id): {"logprob": tl.logprob, "rank": rank,
                                             "decoded_token": self._token_text(tl.token_id)}, **entry}
+            items.append(entry)
+        return json.dumps(items)
+
+    def _prompt_logprobs_json(self, entries) -> str:
+        """vLLM's prompt_logprobs: per prompt token null (the first) or {token_id: {logprob, rank, decoded_token}}
+        with the prompt token (its exact rank) and the top-n."""
+        items = []
+        for tl in entries:
+            if tl is None:
+                items.append(None)
+                continue
+            entry = {str(tl.token_id): {"logprob": tl.logprob, "rank": tl.rank,
+                                        "decoded_token": self._token_text(tl.token_id)}}
+            for rank, (tid, lp) in enumerate(tl.top, start=1):
+                entry.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tid)})
             items.append(entry)
         return json.dumps(items)
 

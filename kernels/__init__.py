@@ -6,6 +6,9 @@ tensors, the reference otherwise (or the Triton kernel under TRITON_INTERPRET=1 
 
 from loom.kernels.dispatch import (
     fused_add_rms_norm,
+    fused_moe,
+    fused_moe_lora,
+    gelu_tanh_and_mul,
     lora_expand,
     lora_shrink,
     paged_decode_attention,
@@ -22,6 +25,9 @@ __all__ = [
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "fused_moe",
+    "fused_moe_lora",
     "lora_shrink",
     "lora_expand",
 ]

@@ -8,12 +8,18 @@ import os
 
 import torch
 
-from loom.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: F401  (tests reach the ref here)
+from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_ref here)
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from loom.kernels.cpu_lora import lora_expand_cpu, lora_shrink_cpu
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
 from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from loom.kernels.kv_store import store_kv_triton
 from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
+from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_triton
@@ -29,23 +35,18 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return (store_kv_triton if use_triton(k) else store_kv_cpu)(k, v, k_cache, v_cache, slot_mapping)
 
 
-def _attention_options(sliding_window, softcap) -> dict:
-    # only the options that are set: the Triton kernels here predate them
-    return {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
                            softcap=None):
     fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_cpu
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-              **_attention_options(sliding_window, softcap))
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
+              softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
                             out=None, sliding_window=None, softcap=None):
     fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_cpu
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
-              **_attention_options(sliding_window, softcap))
+              sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -58,6 +59,19 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 def silu_and_mul(x):
     return (silu_and_mul_triton if use_triton(x) else silu_and_mul_cpu)(x)
+
+
+def gelu_tanh_and_mul(x):
+    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_ref)(x)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):
+    return (fused_moe_triton if use_triton(x) else fused_moe_ref)(x, w13, w2, topk_weights, topk_ids, out=out)
+
+
+def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
+    # PyTorch on every device: the expert-LoRA path has no Triton kernel yet
+    return fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=out)
 
 
 def lora_shrink(x, lora_a, meta, out=None):

@@ -1,4 +1,5 @@
-"""Fused mixture-of-experts MLP (Mixtral / Qwen3-MoE experts): y[t] = sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
+"""Fused mixture-of-experts MLP (Mixtral / Qwen3-MoE experts):
+y[t] = sum_k w[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, then up rows I..2I-1), w2 [E, H, I]. Routing (softmax, top-k,
 renormalisation) is the caller's: topk_weights [T, K] and topk_ids [T, K] come in ready.
@@ -22,7 +23,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# P (the step's token-expert pairs) is not specialised on: a new value must never mean a new compile mid-serving.
+@triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, bexp_ptr,
     stride_xt, stride_we, stride_wn, stride_hm,
@@ -59,7 +61,7 @@ def _gate_up_kernel(
              mask=valid[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     stride_hm, stride_we, stride_wn, stride_op,
@@ -187,6 +189,68 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, out=None):
                 h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)
             y = (h @ w2[e].t()).float() * tw[pairs, None]
             acc.index_add_(0, tok, y)
+    if out is None:
+        return acc.to(x.dtype)
+    return out.copy_(acc)
+
+
+def _token_groups(meta, T: int, device) -> list[tuple[int, torch.Tensor]]:
+    """[(group, bool mask over the T tokens)] for the adapter groups of a LoraBatchMeta (host copies)."""
+    out = []
+    idx = meta.token_indices
+    for g, (a, b) in enumerate(zip(meta.seg_starts_cpu[:-1], meta.seg_starts_cpu[1:])):
+        if b > a:
+            mask = torch.zeros(T, dtype=torch.bool, device=device)
+            mask[idx[a:b]] = True
+            out.append((g, mask))
+    return out
+
+
+def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
+    """fused_moe_ref with per-expert LoRA on gate/up and down, for tokens grouped by adapter as in `lora_shrink`.
+
+    lora = (a13 [E, 2, R, H], b13 [E, R, 2I], a2 [E, 1, R, I], b2 [E, R, H]): the pools of one layer; group g owns
+    rank rows [row_start[g], row_start[g] + ranks[g]) and its delta is scalings[g] * (x a^T) b, slice by slice.
+    No Triton version: steps with expert LoRA run this on every device.
+    """
+    a13, b13, a2, b2 = lora
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    K = topk_ids.shape[1]
+    acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+    if T > 0:
+        groups = _token_groups(meta, T, x.device)
+        ids = topk_ids.reshape(-1).long()
+        order = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=E).tolist()
+        tw = topk_weights.reshape(-1).float()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tok = pairs // K
+            xe = x.index_select(0, tok)
+            gu = xe @ w13[e].t()  # [n, 2I]
+            sel = [(g, m[tok].nonzero().squeeze(1)) for g, m in groups]
+            sel = [(g, rows) for g, rows in sel if rows.numel()]
+            for g, rows in sel:
+                r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
+                xs = xe[rows]
+                for si in range(2):
+                    d = (xs @ a13[e, si, r0:r0 + rk].t()) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I]
+                    gu[rows, si * I:(si + 1) * I] += s * d
+            if x.dtype == torch.float32:
+                h = F.silu(gu[:, :I]) * gu[:, I:]
+            else:
+                h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)
+            y = h @ w2[e].t()
+            for g, rows in sel:
+                r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
+                y[rows] += s * ((h[rows] @ a2[e, 0, r0:r0 + rk].t()) @ b2[e, r0:r0 + rk])
+            acc.index_add_(0, tok, y.float() * tw[pairs, None])
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc)

@@ -3,9 +3,15 @@
 Two Triton paths:
 - one program per (sequence, kv head) that walks the whole context, holding all q heads of the kv
   group as the rows of one tile (K/V are read once per group);
-- flash-decoding for long contexts with few sequences: the context is split into partitions, each
-  program writes its partition's (max, sum, normalised out), and a reduction kernel merges them.
+- flash-decoding for long contexts with few sequences: each sequence's visible context is split into
+  (up to) `num_splits` partitions of its own length, each program writes its partition's (max, sum, normalised
+  out), and a reduction kernel merges them. Partitions are sized on the device from each sequence's length, so
+  a launch's integers do not depend on the step's contexts (what a CUDA graph captured for a batch size needs).
 The reference gathers K/V through the block table and runs SDPA with a length mask.
+
+Options (docs/CONTRACTS.md): `sliding_window` W - the query at position p = seq_len - 1 sees keys at positions
+> p - W (transformers' convention), and blocks wholly before that are never read; `softcap` c - scores become
+c * tanh(scale * q.k / c) before the softmax (Gemma 2).
 """
 from __future__ import annotations
 
@@ -21,6 +27,15 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keep
 
 
 @triton.jit
+def _part_size(ctx, num_splits, min_part, BLOCK_N: tl.constexpr):
+    """Tokens per partition of a sequence with `ctx` visible keys: an even share in whole tiles, >= min_part."""
+    part = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(part, min_part)
+
+
+# Integers that vary with the step (the split count, the partial buffers' strides) are not specialised on: a new
+# value must never mean a new compile while serving.
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_mb", "stride_mh", "min_part"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh,
@@ -28,21 +43,26 @@ def _decode_kernel(
     stride_btb,
     stride_ob, stride_oh, stride_os,  # out [B,H,D] (stride_os unused) or partial out [B,H,NS,D]
     stride_mb, stride_mh,  # partial max / sum [B,H,NS]
-    scale_log2e, part_size,
+    scale_log2e, min_part, window, cap_in, cap_out,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + b)
-    if SPLIT:
-        start = split * part_size
-        if start >= seq_len:  # empty partition: the reduction ignores it (it masks by seq_len)
+    lo = 0
+    if HAS_WINDOW:  # the first key the query (at seq_len - 1) sees
+        lo = tl.maximum(seq_len - window, 0)
+    if SPLIT:  # this sequence's partitions tile [lo, seq_len)
+        part = _part_size(seq_len - lo, tl.num_programs(2), min_part, BLOCK_N)
+        start = lo + split * part
+        if start >= seq_len:  # empty partition: the reduction ignores it (it counts the written ones)
             return
-        end = tl.minimum(seq_len, start + part_size)
+        end = tl.minimum(seq_len, start + part)
     else:
-        start = 0
+        start = lo
         end = seq_len
 
     g = tl.arange(0, G_PAD)
@@ -63,7 +83,11 @@ def _decode_kernel(
         off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if HAS_SOFTCAP:  # c * tanh(scale * qk / c) in the log2 domain, with tanh(x) = 2 * sigmoid(2x) - 1
+            qk = cap_out * (2.0 * tl.sigmoid(qk * cap_in) - 1.0)
+        else:
+            qk = qk * scale_log2e
         qk = tl.where(pmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
@@ -84,26 +108,42 @@ def _decode_kernel(
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_mb", "stride_mh", "num_splits", "min_part"])
 def _decode_reduce_kernel(
     po_ptr, m_ptr, l_ptr, sl_ptr, o_ptr,
     stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
-    part_size, D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr,
+    num_splits, min_part, window,
+    D: tl.constexpr, D_PAD: tl.constexpr, NS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
+    """Merges a sequence's written partitions, NS_BLOCK at a time: one compiled variant for any split count."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(sl_ptr + b)
-    n_valid = tl.cdiv(seq_len, part_size)  # partitions that were written
-    s = tl.arange(0, NS_PAD)
+    ctx = seq_len
+    if HAS_WINDOW:
+        ctx = tl.minimum(seq_len, window)
+    n_valid = tl.cdiv(ctx, _part_size(ctx, num_splits, min_part, BLOCK_N))  # partitions that were written
+    s = tl.arange(0, NS_BLOCK)
     d = tl.arange(0, D_PAD)
-    smask = s < n_valid
-    m = tl.load(m_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=_NEG)
-    l = tl.load(l_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=0.0)
-    w = l * tl.exp2(m - tl.max(m, 0))
-    wsum = tl.sum(w, 0)
-    po = tl.load(po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                 mask=smask[:, None] & (d < D)[None, :], other=0.0)
-    out = tl.sum(po * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    ml_row = b * stride_mb + h * stride_mh
+    m_max = tl.full([NS_BLOCK], _NEG, tl.float32)
+    for s0 in range(0, n_valid, NS_BLOCK):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + ml_row + s0 + s, mask=s0 + s < n_valid, other=_NEG))
+    m_all = tl.max(m_max, 0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    wsum = tl.zeros([NS_BLOCK], tl.float32)
+    po_row = po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+    for s0 in range(0, n_valid, NS_BLOCK):
+        smask = s0 + s < n_valid
+        m = tl.load(m_ptr + ml_row + s0 + s, mask=smask, other=_NEG)
+        l = tl.load(l_ptr + ml_row + s0 + s, mask=smask, other=0.0)
+        w = l * tl.exp2(m - m_all)
+        wsum += w
+        po = tl.load(po_row + (s0 + s)[:, None] * stride_ps + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+                     other=0.0)
+        acc += tl.sum(po * w[:, None], 0)
+    total = tl.sum(wsum, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -117,6 +157,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def softcap_args(scale, sliding_window, softcap):
+    """Kernel scalars: (window or 0, 2 * scale / c, c * log2(e)) - the unused ones are ignored by the kernels."""
+    if softcap is None:
+        return int(sliding_window or 0), 0.0, 0.0
+    return int(sliding_window or 0), 2.0 * scale / softcap, softcap * _LOG2E
+
+
 def _auto_num_splits(q, B, KVH, max_ctx):
     if max_ctx < 1024:
         return 1
@@ -124,13 +171,24 @@ def _auto_num_splits(q, B, KVH, max_ctx):
     programs = B * KVH
     if programs >= n_sm:
         return 1
-    # enough programs to fill the chip twice, partitions of at least 256 tokens
-    return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // 256, 128))
+    # enough programs to fill the chip twice, partitions of at least MIN_PART tokens
+    return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // MIN_PART, 128))
+
+
+MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others exit at once)
+NS_BLOCK = 16  # partitions the reduction merges per iteration
+
+
+def pad_dim(d: int) -> int:
+    """Head dims padded to a power of two, and to 16 at least: tl.dot needs K >= 16."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                                  num_splits=None, block_n=None):
-    """num_splits: None = automatic, 1 = single pass, >1 = flash-decoding with that many partitions."""
+                                  sliding_window=None, softcap=None, num_splits=None, block_n=None):
+    """num_splits: None = automatic (from the batch size and the block table's width, never from the contexts:
+    a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
+    many partitions per sequence."""
     B, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -139,23 +197,27 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    d_pad = triton.next_power_of_2(D)
+    d_pad = pad_dim(D)
     if block_n is None:
         block_n = 64 if d_pad <= 128 else 32
     max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
+    if sliding_window is not None:
+        max_ctx = min(max_ctx, sliding_window)  # keys one query can see
+    min_part = block_n
     if num_splits is None:
-        num_splits = _auto_num_splits(q, B, KVH, max_ctx)
-    part_size = triton.cdiv(triton.cdiv(max_ctx, max(num_splits, 1)), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_ctx, part_size))
+        num_splits, min_part = _auto_num_splits(q, B, KVH, max_ctx), MIN_PART
+    num_splits = max(1, min(num_splits, triton.cdiv(max_ctx, block_n)))
     common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
-                  BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype), num_warps=4)
+                  BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
+                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=4)
     scale_log2e = scale * _LOG2E
+    window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](
             q, k_cache, v_cache, block_tables, seq_lens, out, out, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
-            scale_log2e, max_ctx, SPLIT=False, **common)
+            scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
         return out
     po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
@@ -164,11 +226,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         q, k_cache, v_cache, block_tables, seq_lens, po, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
-        scale_log2e, part_size, SPLIT=True, **common)
+        scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
     _decode_reduce_kernel[(B, H)](
         po, m, l, seq_lens, out,
         po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-        part_size, D=D, D_PAD=d_pad, NS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+        num_splits, min_part, window, D=D, D_PAD=d_pad, NS_BLOCK=NS_BLOCK, BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None, num_warps=4)
     return out
 
 
@@ -176,31 +239,43 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 # Reference
 
 
-def gather_kv(k_cache, v_cache, block_tables, seq_lens, max_len=None):
-    """K/V of each sequence, gathered through its block table: ([N, L, KVH, D] x2, valid [N, L]).
+def gather_kv(k_cache, v_cache, block_tables, seq_lens, first_pos=None):
+    """K/V of each sequence, gathered through its block table from the block holding first_pos[s] (default 0) on:
+    ([N, L, KVH, D] x2, key positions [N, L] int64, valid [N, L]: position < seq_len).
 
-    Slots past a sequence's length are zeroed: unused cache slots may hold anything (even NaN),
-    and a masked score times a NaN value would still poison SDPA's output.
+    Blocks before first_pos's are never read (a sliding window may have freed them). Slots past a sequence's
+    length are zeroed: unused cache slots may hold anything (even NaN), and a masked score times a NaN value
+    would still poison SDPA's output.
     """
     block_size = k_cache.shape[1]
-    if max_len is None:
-        max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    nb = max(1, triton.cdiv(max_len, block_size))
-    bt = block_tables[:, :nb].long()
-    N = bt.shape[0]
+    seq_lens = seq_lens.long()
+    N, M = block_tables.shape
+    first_blk = torch.zeros_like(seq_lens) if first_pos is None else first_pos.long().clamp_min(0) // block_size
+    end_blk = (seq_lens + block_size - 1) // block_size
+    nb = max(1, int((end_blk - first_blk).max()) if N else 1)
+    cols = (first_blk[:, None] + torch.arange(nb, device=seq_lens.device)[None, :]).clamp_max(M - 1)
+    bt = block_tables.long().gather(1, cols)
     # index_select copies whole blocks (about 2x faster than advanced indexing on CPU)
     k = k_cache.index_select(0, bt.flatten()).view(N, -1, *k_cache.shape[2:])  # [N, nb*bs, KVH, D]
     v = v_cache.index_select(0, bt.flatten()).view(N, -1, *v_cache.shape[2:])
-    valid = torch.arange(k.shape[1], device=k.device)[None, :] < seq_lens[:, None].long()
+    kpos = first_blk[:, None] * block_size + torch.arange(k.shape[1], device=k.device)[None, :]
+    valid = kpos < seq_lens[:, None]
     tail = (~valid).flatten().nonzero().squeeze(1)  # zero only the (few) slots past each length
     k.view(-1, *k.shape[2:]).index_fill_(0, tail, 0)
     v.view(-1, *v.shape[2:]).index_fill_(0, tail, 0)
-    return k, v, valid
+    return k, v, kpos, valid
 
 
-def sdpa_gqa(q, k, v, mask, scale):
-    """q [N,H,Lq,D], k/v [N,KVH,L,D], bool mask broadcastable to [N,1,Lq,L]."""
+def sdpa_gqa(q, k, v, mask, scale, softcap=None):
+    """q [N,H,Lq,D], k/v [N,KVH,L,D], bool mask broadcastable to [N,1,Lq,L]; softcap: c * tanh(scores / c)."""
     H, KVH = q.shape[1], k.shape[1]
+    if softcap is not None:  # SDPA has no score hook: the plain computation, in float32
+        rep = H // KVH
+        kf, vf = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+        s = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * softcap
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(p, vf).to(q.dtype)
     try:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != KVH)
     except TypeError:  # torch < 2.5: no enable_gqa
@@ -210,18 +285,21 @@ def sdpa_gqa(q, k, v, mask, scale):
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                               num_splits=None, block_n=None):
+                               sliding_window=None, softcap=None, num_splits=None, block_n=None):
     B, H, D = q.shape
     res = torch.zeros((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return res
-    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens)
+    first = None if sliding_window is None else seq_lens.long() - sliding_window  # first visible key
+    k, v, kpos, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, first)
+    if first is not None:
+        valid &= kpos >= first[:, None]
     empty = seq_lens == 0
     valid[:, 0] |= empty  # a fully masked row would be NaN; such rows are zeroed below
     # With one query token, the G query heads sharing a KV head act as G query rows of one head:
     # plain SDPA over [B, KVH, G, D] needs no GQA expansion (measured ~15% faster than enable_gqa on CPU).
     KVH = k.shape[2]
-    o = F.scaled_dot_product_attention(q.view(B, KVH, H // KVH, D), k.transpose(1, 2).to(q.dtype),
-                                       v.transpose(1, 2).to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale)
+    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                 valid[:, None, None, :], scale, softcap)
     res.copy_(o.reshape(B, H, D).masked_fill(empty[:, None, None], 0))
     return res

@@ -1,8 +1,9 @@
 """Paged prefill attention over a varlen batch (chunked prefill, prefix-cache hits, mixed decode).
 
 Query i of sequence s sits at absolute position seq_lens[s] - q_len_s + i and attends to every cached
-key at a position <= its own; the new tokens' K/V are already in the cache. One program per
-(query tile, sequence, q head); it walks the block table up to the tile's last query position.
+key at a position <= its own (and > its own - sliding_window with a window; softcap as in the decode
+kernel, docs/CONTRACTS.md); the new tokens' K/V are already in the cache. One program per (query tile,
+sequence, q head); it walks the block table from the tile's first visible key to its last query position.
 """
 from __future__ import annotations
 
@@ -15,19 +16,24 @@ from loom.kernels.paged_decode_attention import (
     _NEG,
     _dot_precision,
     gather_kv,
+    pad_dim,
     paged_decode_attention_ref,
     sdpa_gqa,
+    softcap_args,
 )
 
 
-@triton.jit
+# The decode/prefill split of a mixed step puts the prefill part's q, out and metadata at any row offset: their
+# pointers are not specialised on alignment (an offset must never mean a new compile while serving).
+@triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "cu_ptr", "sl_ptr", "bt_ptr"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, sl_ptr, bt_ptr, o_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_btb,
-    scale_log2e,
+    scale_log2e, window, cap_in, cap_out,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     mb = tl.program_id(0)
     s = tl.program_id(1)
@@ -52,16 +58,26 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     end = tl.minimum(seq_len, ctx0 + (mb + 1) * BLOCK_M)  # keys past the tile's last query are unused
+    lo = 0
+    if HAS_WINDOW:  # keys before the window of the tile's first query are unused
+        lo = tl.maximum(ctx0 + mb * BLOCK_M - window + 1, 0)
     bt_row = bt_ptr + s.to(tl.int64) * stride_btb
-    for start in range(0, end, BLOCK_N):
+    for start in range(lo, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pmask = pos < end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
         off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
-        qk = tl.where(pmask[None, :] & (pos[None, :] <= qpos[:, None]), qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if HAS_SOFTCAP:  # c * tanh(scale * qk / c) in the log2 domain, with tanh(x) = 2 * sigmoid(2x) - 1
+            qk = cap_out * (2.0 * tl.sigmoid(qk * cap_in) - 1.0)
+        else:
+            qk = qk * scale_log2e
+        visible = pmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > qpos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -76,7 +92,7 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                   scale, out=None, block_m=None, block_n=None):
+                                   scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None):
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -85,7 +101,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
     S = seq_lens.shape[0]
     if T == 0 or S == 0:
         return out
-    d_pad = triton.next_power_of_2(D)
+    d_pad = pad_dim(D)
     if block_m is None:
         # short queries (decode-like batches) waste less of a small tile
         block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or d_pad > 128 else 64)
@@ -96,14 +112,15 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale * _LOG2E,
+        scale * _LOG2E, *softcap_args(scale, sliding_window, softcap),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         GROUP=H // KVH, D=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), num_warps=4 if block_m * d_pad <= 64 * 64 else 8,
     )
     return out
 
 
-def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables, scale, out):
+def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables, scale, out, window, softcap):
     """One SDPA call over sequences padded to their longest query, with a causal-by-position mask."""
     n = q_lens.shape[0]
     dev = q.device
@@ -116,17 +133,21 @@ def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables,
     H, D = q.shape[1], q.shape[2]
     qp = q.new_zeros((n, max_q, H, D))
     qp[seq_of, offs] = q[tok]
-    k, v, _ = gather_kv(k_cache, v_cache, block_tables, seq_lens)
-    qpos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]  # [n, max_q]
-    # keys past seq_len are excluded for real rows since qpos <= seq_len - 1; padded rows keep key 0
-    mask = torch.arange(k.shape[1], device=dev)[None, None, :] <= qpos[:, :, None]
+    q0 = seq_lens - q_lens  # position of each sequence's first query
+    k, v, kpos, _ = gather_kv(k_cache, v_cache, block_tables, seq_lens, None if window is None else q0 - window + 1)
+    qpos = q0[:, None] + torch.arange(max_q, device=dev)[None, :]  # [n, max_q]
+    # keys past seq_len are excluded for real rows since qpos <= seq_len - 1; padded rows keep key kpos <= qpos
+    mask = kpos[:, None, :] <= qpos[:, :, None]
+    if window is not None:
+        # padded rows (qpos past the end) must keep one visible key: they see at least their sequence's last key
+        mask &= (kpos[:, None, :] > qpos[:, :, None] - window) | (kpos[:, None, :] == (seq_lens - 1)[:, None, None])
     o = sdpa_gqa(qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                 mask[:, None], scale)  # [n, H, max_q, D]
+                 mask[:, None], scale, softcap)  # [n, H, max_q, D]
     out[tok] = o.transpose(1, 2)[seq_of, offs]
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                scale, out=None, block_m=None, block_n=None):
+                                scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None):
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
@@ -140,8 +161,10 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
     if bool(dec.any()):
         idx = dec.nonzero().squeeze(1)
         out[starts[idx]] = paged_decode_attention_ref(q[starts[idx]], k_cache, v_cache, block_tables[idx],
-                                                      seq_lens[idx], scale)
+                                                      seq_lens[idx], scale, sliding_window=sliding_window,
+                                                      softcap=softcap)
     pre = (q_lens > 1).nonzero().squeeze(1)
     if pre.numel():
-        _padded_prefill(q, k_cache, v_cache, starts[pre], q_lens[pre], seq_lens[pre], block_tables[pre], scale, out)
+        _padded_prefill(q, k_cache, v_cache, starts[pre], q_lens[pre], seq_lens[pre], block_tables[pre], scale, out,
+                        sliding_window, softcap)
     return out

@@ -1,345 +1,244 @@
 #!/usr/bin/env python
-"""GPU check for loom's Triton kernels: correctness in bf16/fp16, bandwidth, and a decode-step timing.
+"""One-shot GPU validation of loom: correctness against transformers / PEFT / the CPU sampler, memory and speed.
 
-    python scripts/gpu_check.py              # on a CUDA machine (< 8 minutes); prints a table last
-    python scripts/gpu_check.py --cpu-smoke  # CI: the same code path on tiny sizes with the references
+    python scripts/gpu_check.py --out DIR        # on a CUDA machine: under 8 minutes on an H200
+    python scripts/gpu_check.py --cpu-smoke      # CI: every section's code path on CPU with tiny shapes
 
-1. every case of tests/kernels/kcases.py (the CPU test grid) in bfloat16 and float16, Triton vs reference;
-2. each kernel timed with triton.testing.do_bench (median) at serving-sized shapes, reported as GB/s of
-   its compulsory traffic and as a fraction of a measured device-to-device copy bandwidth;
-3. time_decode_step(): one decode step of the default model and of a random-weight 1B-class Llama.
-Without CUDA (and without --cpu-smoke) it says so and exits 0.
+Sections (each in its own process, with a hard time limit; docs/GPU_CHECK.md says what each checks):
+  kernels   every Triton kernel vs its reference, fp32/fp16/bf16, at serving shapes and with block ids near
+            the top of a cache of more than 2^31 elements
+  kernel_grid  the same over the CPU test grid (tests/kernels), bf16 included
+  engine    the engine vs transformers: fp32 greedy tokens identical, bf16 logprobs and top-1 within tolerance
+  lora      mixed adapters and no-adapter rows in one step vs PEFT; load / reload / unload
+  sampler   the sampler on the GPU vs on the CPU with the same seeds
+  memory    default KV sizing, start-up time, peak memory of the largest prefill and decode steps
+  speed     1B-class random Llama: decode tokens/s and bandwidth fraction at batch 1/8/32/128, eager vs CUDA
+            graphs, host vs device time per step, compiles after warm-up, 32 rank-16 adapters, paged decode
+            attention vs a device copy and vs SDPA
+  speed_8b  the same decode sweep for an 8B-class random Llama
+As each section ends, one JSON line goes to DIR/gpu_check.jsonl ("status": pass / fail / timeout / skipped: ...);
+a summary table is printed last. Exit 1 if any section failed (2 for bad arguments); --strict also fails on
+a missed speed target. Without CUDA (and without --cpu-smoke) it says so and exits 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import multiprocessing.connection
 import os
-import statistics
+import shutil
 import sys
 import tempfile
 import time
-import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import torch  # noqa: E402
 
-T0 = time.time()
-BUDGET_S = 7 * 60  # stop starting new sections past this, to finish under 8 minutes
-
-
-def bench_ms(fn, device):
-    """Median time of fn in ms: do_bench on CUDA, a plain timer on CPU (smoke mode)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    fn()
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+@dataclass(frozen=True)
+class Section:
+    name: str
+    target: str  # module:function(recorder, options)
+    limit_s: int  # hard limit on CUDA
+    smoke_limit_s: int
+    exclusive: bool  # timed sections run alone; correctness sections may share the GPU
 
 
-def copy_bandwidth_gbs(device, nbytes):
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x), device)
-    return 2 * nbytes / ms / 1e6  # read + write
+SECTIONS = [
+    Section("kernels", "harness.gpu_kernels:run", 150, 150, False),
+    Section("kernel_grid", "harness.gpu_kernels:run_grid", 150, 60, False),
+    Section("engine", "harness.gpu_engine:run_engine", 150, 150, False),
+    Section("lora", "harness.gpu_engine:run_lora", 100, 150, False),
+    Section("sampler", "harness.gpu_sampler:run", 60, 60, False),
+    Section("memory", "harness.gpu_perf:run_memory", 90, 60, True),
+    Section("speed", "harness.gpu_perf:run_speed", 170, 90, True),
+    Section("speed_8b", "harness.gpu_perf:run_speed_8b", 140, 60, True),
+]
+SOFT_MARGIN_S = 15  # a section stops starting checks this long before its hard limit
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. correctness
-
-
-def run_correctness(device, dtypes, only=None):
-    import harness.kernel_cases as kcases
-
-    results = []
-    for name, (check, cases) in kcases.CASES.items():
-        if only and name not in only:
-            continue
-        for i, case in enumerate(cases):
-            for dt in dtypes:
-                torch.manual_seed(1000 + i)
-                try:
-                    err = check(dt, device, **case)
-                    results.append((f"{name}[{i}]", str(dt).split(".")[-1], "ok", err))
-                except Exception as e:  # noqa: BLE001 - report every failure, keep going
-                    results.append((f"{name}[{i}]", str(dt).split(".")[-1], "FAIL", str(e).splitlines()[0][:100]))
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. kernel benchmarks
-
-
-def bench_specs(device, dtype, tiny):
-    """(name, shape, fn, bytes moved, flops) for each kernel at serving-sized (or tiny) shapes."""
-    import harness.kernel_cases as kcases
-    from loom.kernels import activation, kv_store, lora, norm, rotary
-    from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
-    from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
-
-    impl = "ref" if device != "cuda" else "triton"
-    pick = lambda mod, base: getattr(mod, f"{base}_{impl}")  # noqa: E731
-    decode_fn = paged_decode_attention_ref if impl == "ref" else paged_decode_attention_triton
-    prefill_fn = paged_prefill_attention_ref if impl == "ref" else paged_prefill_attention_triton
-    es = torch.tensor([], dtype=dtype).element_size()
-    r = lambda *s: torch.randn(*s, device=device, dtype=torch.float32).to(dtype)  # noqa: E731
-    if tiny:
-        T, N, I, H, KVH, D, BS = 8, 64, 64, 4, 2, 32, 16
-        dec_cfgs = [(2, 48, "decode")]
-        pre_cfg = (2, 32)
-        K_IN, OUTS, RANKS, T_LORA = 64, (64, 32, 32), [4, 8], 8
-    else:
-        T, N, I, H, KVH, D, BS = 4096, 4096, 14336, 32, 8, 128, 16
-        dec_cfgs = [(64, 2048, "decode b64 ctx2k"), (4, 16384, "decode b4 ctx16k (split)")]
-        pre_cfg = (4, 2048)
-        K_IN, OUTS, RANKS, T_LORA = 4096, (4096, 1024, 1024), [8, 16, 32, 64], 256
-    specs = []
-
-    # store_kv
-    k, v = r(T, KVH, D), r(T, KVH, D)
-    nblk = (T + BS - 1) // BS + 1
-    kc, vc = r(nblk, BS, KVH, D), r(nblk, BS, KVH, D)
-    slots = torch.randperm(nblk * BS, device=device)[:T]
-    fn = pick(kv_store, "store_kv")
-    specs.append(("store_kv", f"T={T} KVH={KVH} D={D}", lambda fn=fn: fn(k, v, kc, vc, slots), 4 * T * KVH * D * es, 0))
-
-    # decode attention: K/V of every context token read once
-    for B, ctx, label in dec_cfgs:
-        nb = (ctx + BS - 1) // BS
-        kcd, vcd = r(B * nb + 1, BS, KVH, D), r(B * nb + 1, BS, KVH, D)
-        bt = torch.randperm(B * nb + 1, device=device)[:B * nb].view(B, nb).to(torch.int32)
-        sl = torch.full((B,), ctx, dtype=torch.int32, device=device)
-        q = r(B, H, D)
-        specs.append((label, f"B={B} ctx={ctx} H={H}/{KVH} D={D}",
-                      (lambda q=q, kcd=kcd, vcd=vcd, bt=bt, sl=sl: decode_fn(q, kcd, vcd, bt, sl, D ** -0.5)),
-                      2 * B * ctx * KVH * D * es + 2 * B * H * D * es, 4 * B * H * ctx * D))
-
-    # prefill attention: S fresh prompts of L tokens (compute-bound; GB/s is of compulsory traffic)
-    S, L = pre_cfg
-    nb = (L + BS - 1) // BS
-    kcp, vcp = r(S * nb, BS, KVH, D), r(S * nb, BS, KVH, D)
-    btp = torch.randperm(S * nb, device=device).view(S, nb).to(torch.int32)
-    slp = torch.full((S,), L, dtype=torch.int32, device=device)
-    cu = torch.arange(0, S + 1, device=device, dtype=torch.int32) * L
-    qp = r(S * L, H, D)
-    specs.append(("prefill", f"S={S} L={L} H={H}/{KVH} D={D}",
-                  lambda: prefill_fn(qp, kcp, vcp, cu, slp, btp, L, D ** -0.5),
-                  2 * S * L * (H + KVH) * D * es, 2 * S * H * L * L * D))  # causal: half of 4*L*L*D
-
-    x, res, w = r(T, N), r(T, N), r(N)
-    fn = pick(norm, "fused_add_rms_norm")
-    specs.append(("fused_add_rms_norm", f"T={T} N={N}", lambda fn=fn: fn(x, res, w, 1e-5), 5 * T * N * es, 0))
-
-    q, kk = r(T, H, D), r(T, KVH, D)
-    pos = torch.randint(0, 4096, (T,), device=device)
-    cs = kcases.cos_sin_cache(4096, D, device)
-    fn = pick(rotary, "rotary_embedding")
-    specs.append(("rotary_embedding", f"T={T} H={H}/{KVH} D={D}", lambda fn=fn: fn(pos, q, kk, cs),
-                  2 * T * (H + KVH) * D * es, 0))
-
-    xa = r(T // 4 if not tiny else T, 2 * I)
-    fn = pick(activation, "silu_and_mul")
-    specs.append(("silu_and_mul", f"T={xa.shape[0]} I={I}", lambda fn=fn: fn(xa), 3 * xa.shape[0] * I * es, 0))
-
-    # LoRA: T_LORA tokens over adapters of several ranks, three slices (qkv)
-    meta, R, _ = kcases.make_lora_meta(T_LORA + 16, RANKS, device)
-    xl = r(T_LORA + 16, K_IN)
-    a = r(len(OUTS), R, K_IN)
-    offs = [0] + torch.tensor(OUTS).cumsum(0).tolist()
-    bmat, y = r(R, offs[-1]), r(T_LORA + 16, offs[-1])
-    shrink, expand = pick(lora, "lora_shrink"), pick(lora, "lora_expand")
-    buf = shrink(xl, a, meta)
-    nt = meta.token_indices.shape[0]
-    specs.append(("lora_shrink", f"T={nt} in={K_IN} ranks={RANKS} x{len(OUTS)}", lambda: shrink(xl, a, meta),
-                  (nt * K_IN + len(OUTS) * sum(RANKS) * K_IN) * es, 2 * nt * K_IN * len(OUTS) * max(RANKS)))
-    specs.append(("lora_expand", f"T={nt} out={offs[-1]} ranks={RANKS}", lambda: expand(buf, bmat, offs, meta, y),
-                  (2 * nt * offs[-1] + sum(RANKS) * offs[-1]) * es, 2 * nt * offs[-1] * max(RANKS)))
-    return specs
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. decode step timing (hook: the engine is developed separately; failures are reported, not fatal)
-
-LLAMA_1B = dict(  # Llama-3.2-1B shapes
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
-    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-    max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-    hidden_act="silu", torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
-)
-
-
-def make_random_llama_dir(cfg: dict, path: Path) -> Path:
-    """A model folder (config.json + random bf16 safetensors, HF names, no tokenizer)."""
-    from safetensors.torch import save_file
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    dt = getattr(torch, cfg.get("torch_dtype", "bfloat16"))
-    w = lambda *s: (torch.randn(*s, device=dev) * 0.02).to(dt).cpu()  # noqa: E731
-    one = lambda n: torch.ones(n, dtype=dt)  # noqa: E731
-    t = {"model.embed_tokens.weight": w(cfg["vocab_size"], h), "model.norm.weight": one(h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t.update({p + "self_attn.q_proj.weight": w(nq * hd, h), p + "self_attn.k_proj.weight": w(nkv * hd, h),
-                  p + "self_attn.v_proj.weight": w(nkv * hd, h), p + "self_attn.o_proj.weight": w(h, nq * hd),
-                  p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-                  p + "mlp.down_proj.weight": w(h, inter),
-                  p + "input_layernorm.weight": one(h), p + "post_attention_layernorm.weight": one(h)})
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
-def time_decode_step(model_dir_or_config, batch_sizes=(1, 32), prompt_len=128, steps=20, dtype="bfloat16"):
-    """HOOK: median wall time of one engine decode step per batch size -> {B: ms}.
-
-    model_dir_or_config: a model folder ("" = the default model) or a HF config dict (random weights).
-    Imports loom.engine.llm_engine lazily; raises whatever the engine raises (the caller reports it).
-    """
-    from loom.engine.config import EngineConfig
-    from loom.engine.llm_engine import LLMEngine
-    from loom.engine.sampling_params import SamplingParams
-
-    tmp = None
-    if isinstance(model_dir_or_config, dict):
-        tmp = tempfile.TemporaryDirectory()
-        model_dir = str(make_random_llama_dir(model_dir_or_config, Path(tmp.name) / "model"))
-    else:
-        model_dir = model_dir_or_config
-    try:
-        res = {}
-        eng = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=max(batch_sizes),
-                                     max_model_len=2048, gpu_memory_utilization=0.5), load_tokenizer=False)
-        params = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
-        for B in batch_sizes:  # one engine (one weight load), one batch after the other
-            ids = [f"b{B}r{i}" for i in range(B)]
-            for i, rid in enumerate(ids):
-                eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params)
-            started = set()
-            while len(started) < B:  # prefill everyone first
-                started.update(o.request_id for o in eng.step() if o.new_token_ids)
-            for _ in range(3):
-                eng.step()
-            ts = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                eng.step()  # returns sampled tokens to the host, so it is synchronous
-                ts.append((time.perf_counter() - t) * 1e3)
-            res[B] = statistics.median(ts)
-            for rid in ids:
-                eng.abort_request(rid)
-            while eng.has_unfinished_requests():
-                eng.step()
-        del eng
-        return res
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv=None):
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="run the plumbing on CPU with tiny sizes and the references")
-    ap.add_argument("--skip-engine", action="store_true")
-    ap.add_argument("--model-dir", default="", help="model for the decode timing ('' = the default model; with "
-                    "--cpu-smoke: a tiny random Llama)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--cpu-smoke", action="store_true", help="every section on CPU with tiny shapes (CI)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "gpu_check"), help="folder for gpu_check.jsonl and logs")
+    ap.add_argument("--sections", default=",".join(s.name for s in SECTIONS),
+                    help="comma-separated subset, in the standard order")
+    ap.add_argument("--budget", type=float, default=0, help="seconds for the whole run (default: 465 on CUDA, "
+                    "600 with --cpu-smoke); a section gets min(its limit, what is left)")
+    ap.add_argument("--limit", type=float, default=0, help="cap every section's hard limit at this many seconds "
+                    "(reruns of one section; tests of the time limit)")
+    ap.add_argument("--jobs", type=int, default=0, help="correctness sections run at once (default 5; smoke 2)")
+    ap.add_argument("--model-dir", default="", help="also check this checkpoint (engine: fp32 greedy vs "
+                    "transformers) and time it (speed)")
+    ap.add_argument("--strict", action="store_true", help="a missed speed/memory target fails the run")
+    return ap.parse_args(argv)
 
-    if not torch.cuda.is_available() and not args.cpu_smoke:
-        print("no CUDA device present: nothing to check (use --cpu-smoke to exercise the script on CPU)")
-        return 0
-    device = "cpu" if args.cpu_smoke else "cuda"
-    tiny = args.cpu_smoke
-    if device == "cuda":
-        print(f"device: {torch.cuda.get_device_name()}", flush=True)
 
-    # 1. correctness (CPU smoke: only where the interpreter was selected, on two cheap kernels)
-    if device == "cuda":
-        corr = run_correctness("cuda", [torch.bfloat16, torch.float16])
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        corr = run_correctness("cpu", [torch.float32], only={"silu_and_mul", "norm"})
-    else:
-        corr = []
-    for row in corr:
-        if row[2] != "ok":
-            print("FAIL", *row, flush=True)
-    print(f"correctness: {sum(r[2] == 'ok' for r in corr)}/{len(corr)} ok ({time.time() - T0:.0f}s)", flush=True)
+def _preimport(sections: list[Section]) -> None:
+    """Smoke mode forks each section from this process: import what they need once, before any fork."""
+    import importlib
 
-    failures: list[str] = []  # any failed section makes the script exit non-zero
+    mods = list(dict.fromkeys(s.target.split(":")[0] for s in sections))
+    for mod in mods + (["peft"] if any(s.name == "lora" for s in sections) else []):
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:  # the section's own process imports it again and records the failure
+            print(f"pre-import of {mod} failed: {e}", file=sys.stderr)
 
-    # 2. bandwidth
-    copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if tiny else (1 << 30))
-    print(f"device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
-    rows = []
-    dtypes = [torch.float32] if tiny else [torch.bfloat16]
-    for dt in dtypes:
-        for name, shape, fn, nbytes, flops in bench_specs(device, dt, tiny):
-            if time.time() - T0 > BUDGET_S:
-                print(f"time budget reached, skipping {name}")
-                continue
+
+class Runner:
+    def __init__(self, args, device: str, out: Path, work: Path):
+        from harness.gpu_report import Options, child_main
+
+        self.args, self.device, self.out, self.work = args, device, out, work
+        self.smoke = args.cpu_smoke
+        self.Options, self.child_main = Options, child_main
+        self.ctx = mp.get_context("fork" if self.smoke else "spawn")  # never fork a process that touched CUDA
+        budget = args.budget or (600 if self.smoke else 465)
+        self.end = time.time() + budget
+        self.jsonl = out / "gpu_check.jsonl"
+        self.log = out / "gpu_check.log"
+        self.records: list[dict] = []
+
+    def say(self, msg: str) -> None:
+        print(msg, flush=True)
+        with open(self.log, "a") as f:
+            f.write(msg + "\n")
+
+    def start(self, sec: Section):
+        own = sec.smoke_limit_s if self.smoke else sec.limit_s
+        if self.args.limit:
+            own = min(own, self.args.limit)
+        left = self.end - time.time()
+        if left < min(own, 20):  # too little of the run's budget left to prove anything
+            return None, left
+        limit = min(own, left)
+        opts = self.Options(smoke=self.smoke, device=self.device, work_dir=str(self.work), log_path=str(self.log),
+                            model_dir=self.args.model_dir, deadline=time.time() + limit - min(SOFT_MARGIN_S, limit / 5))
+        paths = (str(self.work / f"{sec.name}.partial.json"), str(self.work / f"{sec.name}.result.json"))
+        p = self.ctx.Process(target=self.child_main, args=(sec.name, sec.target, opts, *paths), name=sec.name)
+        p.start()
+        self.say(f"== {sec.name}: started (hard limit {limit:.0f}s)")
+        return (p, time.time(), time.time() + limit, paths), limit
+
+    def finish(self, sec: Section, run) -> None:
+        p, t0, hard, (partial, result) = run
+        timed_out = p.is_alive()
+        if timed_out:  # the hard limit: stop it, keep what it recorded so far
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        rec = None
+        for path in ([partial] if timed_out else [result, partial]):  # a killed section: what it had recorded
             try:
-                ms = bench_ms(fn, device)
-                gbs = nbytes / ms / 1e6
-                rows.append((name, shape, ms, gbs, gbs / copy_gbs, flops / ms / 1e9 if flops else 0.0))
-            except Exception as e:  # noqa: BLE001
-                print(f"bench {name} failed: {e!r}")
-                traceback.print_exc()
-                failures.append(f"bench {name}")
-
-    # 3. decode step
-    decode_rows = []
-    if tiny and args.model_dir:  # the smoke run on a model of the user's
-        targets = [("model", args.model_dir)]
-        kw = dict(batch_sizes=(1, 2), prompt_len=8, steps=2, dtype="float32")
-    elif tiny:  # the hook's code path on a tiny random Llama
-        targets = [("tiny random Llama", dict(LLAMA_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                               vocab_size=1000, torch_dtype="float32", bos_token_id=1, eos_token_id=2))]
-        kw = dict(batch_sizes=(1, 2), prompt_len=8, steps=2, dtype="float32")
-    else:
-        targets = [("default model", args.model_dir), ("random Llama 1B", LLAMA_1B)]
-        kw = {}
-    if args.skip_engine:
-        print("engine timing skipped")
-    else:
-        for label, target in targets:
-            if time.time() - T0 > BUDGET_S - 60:
-                print(f"time budget reached, skipping decode step of {label}")
+                rec = json.loads(Path(path).read_text())
+                break
+            except (OSError, ValueError):
                 continue
-            try:
-                for B, ms in time_decode_step(target, **kw).items():
-                    decode_rows.append((label, B, ms))
-            except Exception as e:  # noqa: BLE001
-                print(f"decode step of {label} failed: {e!r}")
-                traceback.print_exc()
-                failures.append(f"decode step {label}")
+        rec = rec or {"section": sec.name, "device": self.device, "smoke": self.smoke, "checks": []}
+        if timed_out:
+            rec["status"] = "timeout"
+            rec["error"] = f"killed at its hard limit of {hard - t0:.0f}s"
+        elif not Path(result).is_file():
+            rec["status"] = "fail"
+            rec["error"] = f"the section's process ended with exit code {p.exitcode} before writing its record"
+        rec["seconds"] = round(time.time() - t0, 1)
+        self.emit(rec)
 
-    # table last
-    print()
-    print(f"{'kernel':<26}{'shape':<44}{'ms':>9}{'GB/s':>9}{'of copy':>9}{'TFLOP/s':>9}")
-    for name, shape, ms, gbs, frac, tf in rows:
-        print(f"{name:<26}{shape:<44}{ms:>9.4f}{gbs:>9.1f}{frac:>9.0%}{tf:>9.1f}")
-    print(f"{'copy bandwidth':<26}{'':<44}{'':>9}{copy_gbs:>9.0f}{1:>9.0%}")
-    for label, B, ms in decode_rows:
-        print(f"decode step {label:<14} B={B:<4}{ms:>10.2f} ms  ({B / ms * 1e3:.0f} tok/s)")
-    bad = [r for r in corr if r[2] != "ok"]
-    print(f"correctness: {len(corr) - len(bad)}/{len(corr)} ok; total {time.time() - T0:.0f}s")
-    if failures:
-        print(f"FAILED sections: {', '.join(failures)}")
-    return 1 if bad or failures else 0
+    def emit(self, rec: dict) -> None:
+        with open(self.jsonl, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        self.records.append(rec)
+        self.say(f"== {rec['section']}: {rec['status']} ({rec.get('seconds', 0):.0f}s)")
+
+    def run(self, sections: list[Section]) -> list[dict]:
+        jobs = self.args.jobs or (2 if self.smoke else 5)
+        queue, running = list(sections), {}
+        while queue or running:
+            while queue and len(running) < jobs and not (queue[0].exclusive and running) and \
+                    not any(s.exclusive for s in running):
+                sec = queue.pop(0)
+                run, limit = self.start(sec)
+                if run is None:
+                    self.emit({"section": sec.name, "status": "timeout", "device": self.device, "smoke": self.smoke,
+                               "seconds": 0.0, "checks": [], "error": f"not started: {max(limit, 0):.0f}s of the "
+                               "run's budget left"})
+                else:
+                    running[sec] = run
+            if not running:
+                continue
+            wait = max(0.0, min(r[2] for r in running.values()) - time.time())
+            mp.connection.wait([r[0].sentinel for r in running.values()], timeout=wait)
+            for sec, run in list(running.items()):
+                if not run[0].is_alive() or time.time() >= run[2]:
+                    run[0].join(1)
+                    self.finish(sec, run)
+                    del running[sec]
+        order = [s.name for s in sections]
+        return sorted(self.records, key=lambda r: order.index(r["section"]))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = [n.strip() for n in args.sections.split(",") if n.strip()]
+    unknown = sorted(set(names) - {s.name for s in SECTIONS})
+    if unknown:
+        print(f"unknown sections {unknown}; known: {[s.name for s in SECTIONS]}", file=sys.stderr)
+        return 2
+    sections = [s for s in SECTIONS if s.name in names]
+    if args.cpu_smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels section runs it
+        device = "cpu"
+    else:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            print("TRITON_INTERPRET=1 is set: a CUDA check needs compiled kernels; unset it", file=sys.stderr)
+            return 2
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device present: nothing to check (use --cpu-smoke to exercise the script on CPU)")
+            return 0
+        device = "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("gpu_check.jsonl", "gpu_check.log", "gpu_check_summary.txt"):
+        (out / f).unlink(missing_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="loom_gpu_check_"))
+    t0 = time.time()
+    try:
+        if args.cpu_smoke:
+            _preimport(sections)
+        runner = Runner(args, device, out, work)
+        header = f"gpu_check on {device}" + (" (CPU smoke: tiny shapes, references)" if args.cpu_smoke else "")
+        if device == "cuda":  # the device's name comes from the sections: this process leaves CUDA uninitialised
+            import torch
+
+            header += f", torch {torch.__version__}"
+        runner.say(header)
+        records = runner.run(sections)
+    finally:
+        from harness.random_llama import remove_scratch
+
+        remove_scratch(work)
+        shutil.rmtree(work, ignore_errors=True)
+    from harness.gpu_report import summary_lines
+
+    failed = [r["section"] for r in records if r["status"] != "pass"]
+    missed = [f"{r['section']}: {t['name']}" for r in records for t in r.get("targets", []) if t["met"] is False]
+    lines = summary_lines(records)
+    lines.append("")
+    lines.append(f"total {time.time() - t0:.0f}s; " + (f"FAILED sections: {', '.join(failed)}" if failed
+                                                      else "all sections passed"))
+    if missed:
+        lines.append(f"targets missed: {len(missed)}" + (" (--strict: counted as a failure)" if args.strict else ""))
+    for line in lines:
+        runner.say(line)
+    (out / "gpu_check_summary.txt").write_text("\n".join(lines) + "\n")
+    return 1 if failed or (args.strict and missed) else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,25 @@
-"""Shared test set-up: float32, deterministic, and the CPU tuning applied before torch loads."""
+"""Shared test set-up: float32, deterministic, and the CPU tuning applied before torch loads.
+
+LOOM_TEST_DEVICE=cuda runs the device-aware tests (tests/kernels/test_kernels.py, tests/engine/test_parity.py)
+on the GPU: compiled kernels, no interpreter, bf16 with its own tolerance (see scripts/harness/suite_device.py).
+"""
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Triton kernels run under the interpreter on CPU; it must be set before any @triton.jit is decorated.
+# On CPU the Triton kernels run under the interpreter; it must be set before any @triton.jit is decorated.
 # The engine still runs the PyTorch references on CPU unless LOOM_FORCE_TRITON=1.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("LOOM_TEST_DEVICE", "cpu").strip().lower() in ("", "cpu"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from loom.engine.cpu import tune_mkl_for_amd  # noqa: E402
 
 tune_mkl_for_amd()  # before torch loads MKL (the HF oracles run in this process too)
+
+
+def pytest_configure(config):
+    from harness import suite_device
+
+    try:
+        suite_device.check()
+    except ValueError as e:
+        raise __import__("pytest").UsageError(str(e)) from None

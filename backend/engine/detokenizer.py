@@ -85,6 +85,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._skip_special = bool(params.skip_special_tokens)
+        # vLLM's spaces_between_special_tokens goes to the tokenizer's decode (slow tokenizers join special tokens
+        # with spaces unless it is false; fast ones decode special tokens without separators either way).
+        self._decode_kwargs = {} if params.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         self._drop_ids = _skippable_special_ids(tokenizer) if self._skip_special else frozenset()
         # The prompt is deliberately not decoding context (see module docstring); kept for callers.
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -159,7 +162,7 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------ detokenization
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False, **self._decode_kwargs
         )
 
     def _detokenize(self, finished: bool) -> str:

@@ -30,6 +30,10 @@ class RequestOutput:
     # what the latest streaming update added
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    index: int = 0  # which of the request's n completions
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs (entry j: prompt token j)
+    # generate() with n > 1: the n completions, by index (this object's own fields are completion 0's)
+    samples: list["RequestOutput"] = field(default_factory=list)
 
 
 class LLM:
@@ -47,7 +51,8 @@ class LLM:
 
     def stream(self, prompts: Seq[str | list[int]] | str, params: SamplingParams | Seq[SamplingParams] | None = None,
                lora_names: Seq[str | None] | str | None = None) -> Iterator[RequestOutput]:
-        """Yields a RequestOutput per request per step with new tokens (delta_* set; text/token_ids cumulative)."""
+        """Yields a RequestOutput per completion per step with new tokens (delta_* set; text/token_ids cumulative);
+        a request with n > 1 yields its completions' outputs with `index` 0..n-1."""
         from loom.engine.detokenizer import IncrementalDetokenizer
 
         if isinstance(prompts, str):
@@ -57,19 +62,24 @@ class LLM:
         loras = list(lora_names) if isinstance(lora_names, (list, tuple)) else [lora_names] * n
         if len(params_list) != n or len(loras) != n:
             raise ValueError("params and lora_names must be given once or once per prompt")
-        live: dict[str, tuple[RequestOutput, object]] = {}
+        live: dict[tuple[str, int], tuple[RequestOutput, object]] = {}
         for prompt, p, lora in zip(prompts, params_list, loras):
             rid = f"offline-{next(self._ids)}"
             ids = self._encode(prompt)
             self.engine.add_request(rid, ids, p, lora)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
-            live[rid] = (RequestOutput(rid, ids, logprobs=[] if p.logprobs is not None else None), detok)
+            for i in range(p.n):
+                detok = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
+                live[(rid, i)] = (RequestOutput(rid, ids, logprobs=[] if p.logprobs is not None else None, index=i),
+                                  detok)
         try:
             while live:
                 for so in self.engine.step():
-                    if so.request_id not in live:
+                    key = (so.request_id, so.index)
+                    if key not in live:
                         continue
-                    out, detok = live[so.request_id]
+                    out, detok = live[key]
+                    if so.prompt_logprobs is not None:
+                        out.prompt_logprobs = so.prompt_logprobs
                     out.delta_token_ids = so.new_token_ids
                     out.token_ids.extend(so.new_token_ids)
                     if so.new_logprobs and out.logprobs is not None:
@@ -83,20 +93,27 @@ class LLM:
                         out.text += u.text
                         out.finished, out.finish_reason = u.finished, u.finish_reason
                         if u.abort_engine:
-                            self.engine.abort_request(so.request_id)
+                            self.engine.abort_request(so.request_id, index=so.index)
                     if out.finished:
-                        del live[so.request_id]
+                        del live[key]
                     yield out
         finally:
-            for rid in live:  # the caller stopped iterating early
-                self.engine.abort_request(rid)
+            for rid, i in live:  # the caller stopped iterating early
+                self.engine.abort_request(rid, index=i)
             if live:
                 self.engine.step()
 
     def generate(self, prompts: Seq[str | list[int]] | str, params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora_names: Seq[str | None] | str | None = None) -> list[RequestOutput]:
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, dict[int, RequestOutput]] = {}
         for out in self.stream(prompts, params, lora_names):
             if out.finished:
-                finals[out.request_id] = out
-        return [finals[k] for k in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))]
+                finals.setdefault(out.request_id, {})[out.index] = out
+        result = []
+        for rid in sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1])):
+            by_index = finals[rid]
+            first = by_index[0]
+            if len(by_index) > 1:
+                first.samples = [by_index[i] for i in sorted(by_index)]
+            result.append(first)
+        return result

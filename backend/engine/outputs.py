@@ -9,6 +9,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # exact rank of token_id (1 = most likely) where computed (prompt logprobs)
 
 
 @dataclass
@@ -22,6 +23,10 @@ class StepOutput:
     num_cached_tokens: int
     cumulative_logprob: float
     error: str | None = None  # set with finish_reason "error"
+    index: int = 0  # which of the request's n completions
+    # prompt logprobs (params.prompt_logprobs), once, with the request's first token: entry j is prompt token j
+    # (None for the first token, which has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -36,6 +41,11 @@ class EngineStats:
     resident_adapters: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    # LoRA adapters of running / waiting sequences, {name: count} (the gateway's vllm:lora_requests_info)
+    running_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_adapters: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0  # adapters of the largest allowed rank that fit the device pool at once
+    block_size: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loom.engine.logits_processors import ProcessorBatch, RequestConstraints
 from loom.engine.sampling_params import SamplingParams
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
@@ -277,6 +278,15 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(logits < thr, float("-inf"))
 
 
+def _revive_dead_rows(x: Tensor, fallback: Tensor, rows: Tensor) -> Tensor:
+    """Rows whose constraints contradict each other (every token at -inf, e.g. min_tokens banning the eos that a
+    completed grammar requires) fall back to ``fallback`` (the grammar-masked logits) instead of sampling NaN."""
+    dead = rows[torch.isneginf(x.index_select(0, rows)).all(dim=-1)]
+    if dead.numel() == 0:
+        return x
+    return x.index_copy(0, dead, fallback.index_select(0, dead))
+
+
 # ----------------------------------------------------------------------------------------------
 # Batch description
 # ----------------------------------------------------------------------------------------------
@@ -318,6 +328,8 @@ class SamplingBatch:
     min_tokens_cols: Tensor | None  # [M] int64
     # logprobs
     max_logprobs: int  # K = max requested n (0: only the sampled token's logprob)
+    # grammar, allowed_token_ids, bad_words, logit_bias (loom.engine.logits_processors); None: no row uses them
+    processors: ProcessorBatch | None = None
 
     @classmethod
     def build(
@@ -329,6 +341,8 @@ class SamplingBatch:
         stop_ids_for_min_tokens: list[list[int]],
         vocab_size: int,
         device: torch.device | str,
+        constraints: list[RequestConstraints | None] | None = None,
+        matchers: list | None = None,
     ) -> "SamplingBatch":
         S = len(params)
         assert S > 0 and len(seeds) == S and len(prompt_token_ids) == S and len(output_token_ids) == S
@@ -405,6 +419,9 @@ class SamplingBatch:
             no_penalties=no_penalties, penalty_rows=d(penalty_rows), prompt_ids=d(prompt_ids), output_ids=d(output_ids),
             min_tokens_rows=d(mt_rows), min_tokens_cols=d(mt_cols),
             max_logprobs=int(nlog.max()),
+            processors=ProcessorBatch.build(constraints or [None] * S, matchers, output_token_ids, V, dev)
+            if (constraints is not None and any(c is not None for c in constraints))
+            or (matchers is not None and any(m is not None for m in matchers)) else None,
         )
 
 
@@ -423,8 +440,11 @@ class Sampler:
     """Stateless; one instance can serve any batch."""
 
     def process_logits(self, logits: Tensor, b: SamplingBatch) -> Tensor:
-        """Penalties + min_tokens masking (the logits greedy rows take the argmax of). May return ``logits`` itself."""
+        """Request processors (allowed_token_ids, bad_words, logit_bias), then penalties and min_tokens masking
+        (vLLM's order): the logits greedy rows take the argmax of. May return ``logits`` itself."""
         x = logits
+        if b.processors is not None:
+            x = b.processors.apply(x)
         if not b.no_penalties:
             rows = b.penalty_rows
             sub = x if rows is None else x.index_select(0, rows)
@@ -443,7 +463,13 @@ class Sampler:
     def __call__(self, logits: Tensor, b: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[1] == b.vocab_size, (tuple(logits.shape), b.vocab_size)
         logits = logits.float()
+        if b.processors is not None:
+            # The grammar mask comes first and also shapes the returned logprobs (vLLM applies it before its
+            # sampler); it is applied in place to the logits passed in.
+            logits = b.processors.apply_grammar(logits)
         x = self.process_logits(logits, b)
+        if b.processors is not None and b.processors.rows is not None:
+            x = _revive_dead_rows(x, logits, b.processors.rows)
 
         if b.all_greedy:
             token_ids = x.argmax(dim=-1)

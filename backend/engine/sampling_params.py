@@ -1,14 +1,20 @@
 """Per-request sampling parameters, validated at construction so bad input never reaches a step."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
+from loom.engine.structured_output import StructuredOutputsParams
 from loom.errors import RequestError
 
 # Bounds a production server wants to enforce; the Triton glue may tighten them from config.pbtxt.
 MAX_LOGPROBS = 20
 MAX_STOP_ITEMS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_N = 64  # completions per request (vLLM allows more; each one is a running sequence here)
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias
+MAX_BAD_WORDS = 128  # entries in bad_words (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+LOGIT_BIAS_BOUND = 100.0  # biases are clamped to [-100, 100], as vLLM does
 
 
 class SamplingParamsError(RequestError):
@@ -33,12 +39,28 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n >= 0: sampled token plus top n
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's other SamplingParams, with vLLM's meaning:
+    n: int = 1  # completions for the prompt; they share its KV blocks (seed: completion i uses seed + i)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    allowed_token_ids: list[int] | None = None  # only these ids can be sampled
+    bad_words: list[str] = field(default_factory=list)  # the last token of each word's tokens is banned
+    # when the tokens before it were just generated (the word tokenized with and without a leading space)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens (-1: the engine's limit)
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (first token: None)
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _clamped_bias(self.logit_bias)
         self.validate()
 
     @property
@@ -79,7 +101,48 @@ class SamplingParams:
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs), "logprobs",
               f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        check(self.prompt_logprobs is None
+              or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= max_logprobs),
+              "prompt_logprobs", f"must be an integer in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        check(self.n == 1 or self.temperature >= 1e-5, "n",
+              f"must be 1 when using greedy sampling (temperature 0), got {self.n!r}")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS),
+              "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+        check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                 and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+              "allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        check(isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS
+              and all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+              "bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                           f"{MAX_STOP_STRING_CHARS} characters")
+        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
+                                                      and (self.truncate_prompt_tokens == -1
+                                                           or self.truncate_prompt_tokens >= 1)),
+              "truncate_prompt_tokens", f"must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        check(isinstance(self.spaces_between_special_tokens, bool), "spaces_between_special_tokens",
+              "must be true or false")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _clamped_bias(bias: dict) -> dict[int, float]:
+    """vLLM's conversion: keys to int token ids, values clamped to [-100, 100]; anything else is refused."""
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if isinstance(k, int) and not isinstance(k, bool):
+            tid = k
+        elif isinstance(k, str) and k.strip().isdigit():
+            tid = int(k)
+        else:
+            tid = -1
+        if tid < 0:
+            raise SamplingParamsError("logit_bias", f"keys must be token ids (integers >= 0), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SamplingParamsError("logit_bias", f"values must be finite numbers, got {v!r} for token {k!r}")
+        out[tid] = min(LOGIT_BIAS_BOUND, max(-LOGIT_BIAS_BOUND, float(v)))
+    return out

@@ -33,6 +33,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     ever_scheduled: bool = False
     max_total_tokens: int = 1 << 62  # prompt + output cap (max_model_len, KV capacity)
+    index: int = 0  # which of the request's n completions (n > 1: all share the prompt's KV blocks)
+    constraints: Any = None  # loom.engine.logits_processors.RequestConstraints (shared by the n completions)
+    matcher: Any = None  # this sequence's grammar matcher (structured outputs)
+    prompt_logprobs: list | None = None  # entries computed so far (params.prompt_logprobs)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -52,6 +56,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs asked for and not all computed (only the first of n completions computes them)."""
+        return (self.index == 0 and self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs or ()) < self.num_prompt_tokens)
 
     @property
     def adapter_version(self) -> int:

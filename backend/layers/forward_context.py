@@ -17,7 +17,9 @@ class LoraBatchMeta:
 
     Tokens are gathered per adapter by index: group g owns token_indices[seg_starts[g]:seg_starts[g+1]];
     its adapter's rank rows in every LoRA pool are [row_start[g], row_start[g] + ranks[g]).
-    Tokens without an adapter appear in no group.
+    Tokens without an adapter appear in no group. The step's meta groups the adapters with rows in the dense pools
+    (attention, dense MLP; it may have no group at all); `experts` is the same for the MoE expert pools, a separate
+    row space: only the tokens of adapters that target experts, with their expert rows.
     """
 
     token_indices: torch.Tensor  # [T_lora] int64
@@ -31,9 +33,10 @@ class LoraBatchMeta:
     row_start_cpu: list[int] | None = None
     ranks_cpu: list[int] | None = None
     scalings_cpu: list[float] | None = None
-    # Module groups (qkv_proj, o_proj, gate_up_proj, down_proj) that some adapter of the step targets;
-    # the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
+    # Module groups (qkv_proj, o_proj, gate_up_proj, down_proj; experts_* in `experts`) that some adapter of the
+    # step targets; the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
     module_groups: frozenset[str] | None = None
+    experts: "LoraBatchMeta | None" = None  # the expert-row grouping; None = no adapter of the step targets experts
 
     @property
     def num_groups(self) -> int:

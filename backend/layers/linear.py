@@ -32,17 +32,6 @@ class LoRALinear(nn.Module):
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
         self.dense: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def load_slice(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        lo, hi = self.slice_offsets[index], self.slice_offsets[index + 1]
-        if weight.shape != (hi - lo, self.in_features):
-            raise ValueError(f"weight shape {tuple(weight.shape)} does not match expected "
-                             f"{(hi - lo, self.in_features)}")
-        self.weight.data[lo:hi].copy_(weight)
-        if bias is not None:
-            if self.bias is None:
-                raise ValueError("checkpoint has a bias for a layer built without one")
-            self.bias.data[lo:hi].copy_(bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # `dense`: set by the engine on CPU to a GEMM over a packed copy of the weight (kernels/cpu_linear.py)
         y = F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)

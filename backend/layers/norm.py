@@ -1,4 +1,8 @@
-"""RMSNorm fused with the residual add (one kernel on CUDA)."""
+"""RMSNorm fused with the residual add (one kernel on CUDA).
+
+offset=True is Gemma's variant: the checkpoint stores w and the scale is (1 + w), computed in float32 as
+transformers does (weights start at zero).
+"""
 from __future__ import annotations
 
 import torch
@@ -8,10 +12,13 @@ from loom.kernels import fused_add_rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False):
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        """-> (rmsnorm(x + residual), x + residual); without a residual the second is x itself."""
+        w = self.weight.float() + 1.0 if self.offset else self.weight
+        return fused_add_rms_norm(x, residual, w, self.eps)

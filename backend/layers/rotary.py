@@ -23,37 +23,37 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_parameters(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling dict or None) from a config of transformers 4.x or 5.x."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    scaling = getattr(hf_config, "rope_scaling", None) or None
-    theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta") or 10000.0
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
+def cos_sin_cache(rotary_dim: int, max_position: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[max_position, rotary_dim]: cos in the first half, sin in the second (float32, as transformers computes)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-    return float(theta), scaling
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        else:  # loom.models.spec refuses other types before a model is built
+            raise ValueError(f"rope type {kind!r} is not supported")
+    t = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+    """Neox-style rope on the first rotary_dim dims of each head (all of them unless partial rotary)."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
-        # float32 throughout, the way transformers computes it, so float32 outputs match token for token.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "llama3":
-                inv_freq = _llama3_inv_freq(inv_freq, scaling)
-            elif kind == "linear":
-                inv_freq = inv_freq / float(scaling["factor"])
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.head_dim, self.rotary_dim, self.max_position = head_dim, rotary_dim, max_position
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos_sin_cache", cos_sin_cache(rotary_dim, max_position, theta, scaling),
+                             persistent=False)
+
+    def rebuild(self, device) -> None:
+        """Non-persistent buffers are lost when a model built on the meta device is materialised."""
+        self.cos_sin_cache = cos_sin_cache(self.rotary_dim, self.max_position, self.theta, self.scaling).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        if self.rotary_dim < self.head_dim:  # the kernel rotates strided views of the leading dims in place
+            q, k = q[..., :self.rotary_dim], k[..., :self.rotary_dim]
         rotary_embedding(positions, q, k, self.cos_sin_cache)

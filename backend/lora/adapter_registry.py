@@ -17,6 +17,12 @@ Request flow (engine):
   reg.deactivate(ref)                # preempted (rows stay cached until evicted)
   reg.release(ref)                   # finished/aborted (always, exactly once)
   meta = reg.build_lora_meta(refs_per_seq, tokens_per_seq)   # after all activate() calls of the step
+
+Row spaces: the dense groups (attention, dense MLP; pools sized by lora_memory_bytes) and the MoE expert groups
+(sized by lora_expert_memory_bytes) have separate pools and allocators. A version holds rows in a space only if it
+targets a group there, as many as its largest module rank in that space (known from its config before loading);
+allocation, LRU eviction and compaction run per space, so making room in one space never drops the other's rows.
+A version is device-resident when it has rows in every space it targets.
 """
 from __future__ import annotations
 
@@ -28,10 +34,12 @@ from typing import Sequence
 
 import torch
 
+from loom.device import bind_thread
 from loom.errors import RequestError
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.lora_pool import LoraPool
+from loom.lora.model_spec import EXPERT_PROJS
 from loom.lora.peft_loader import (
     GROUP_LAYOUT,
     PROJ_TO_GROUP,
@@ -41,27 +49,34 @@ from loom.lora.peft_loader import (
     LoraModelSpec,
     load_peft_adapter,
     read_adapter_config,
+    target_ranks,
 )
+
+DENSE, EXPERT = 0, 1  # row spaces: index into AdapterRegistry.pools and _Version.rows / .ranks
+SPACE_NAMES = ("dense", "expert")
+SPACE_FIELDS = ("lora_memory_bytes", "lora_expert_memory_bytes")  # the EngineConfig field sizing each space
 
 
 class _Version:
-    __slots__ = ("name", "path", "version", "config", "rank", "scaling", "host", "loading", "error",
-                 "refcount", "active", "row_start", "last_used", "stale", "content_hash", "targets",
+    __slots__ = ("name", "path", "version", "config", "rank", "ranks", "scaling", "host", "loading", "error",
+                 "refcount", "active", "rows", "last_used", "stale", "content_hash", "targets",
                  "pending_kind", "future")
 
-    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo, pending_kind: str):
+    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo, ranks: list[int],
+                 pending_kind: str):
         self.name = name
         self.path = path
         self.version = version
         self.config = config
-        self.rank = config.max_rank  # final once loaded
+        self.rank = config.max_rank  # largest module rank; final once loaded
+        self.ranks = list(ranks)  # rows per space (0 = targets nothing there); final once loaded
         self.scaling = config.scaling_for(config.r, config.lora_alpha)
         self.host: AdapterWeights | None = None
         self.loading = False
         self.error: str | None = None
         self.refcount = 0  # refs not yet released
         self.active = 0  # refs currently activated (pins device rows)
-        self.row_start = -1  # >= 0 while device-resident
+        self.rows = [-1, -1]  # first row per space, >= 0 while it holds rows there
         self.last_used = 0
         self.stale = False  # unloaded or replaced by a reload: freed when refcount drops to 0
         self.content_hash = ""
@@ -70,10 +85,15 @@ class _Version:
         self.future: Future | None = None
 
     @property
+    def resident(self) -> bool:
+        """Rows in every space it targets (what a step needs)."""
+        return all(start >= 0 for start, rank in zip(self.rows, self.ranks) if rank)
+
+    @property
     def state(self) -> str:
         if self.loading:
             return "loading"
-        if self.row_start >= 0:
+        if self.resident:
             return "device"
         if self.host is not None:
             return "host"
@@ -103,7 +123,7 @@ class AdapterRef:
     @property
     def ready(self) -> bool:
         """Weights are in host (or device) memory, so activate() can succeed without waiting for disk."""
-        return self._v.host is not None or self._v.row_start >= 0
+        return self._v.host is not None or self._v.resident
 
     @property
     def error(self) -> str | None:
@@ -120,8 +140,14 @@ class AdapterRef:
 
     @property
     def row_start(self) -> int:
-        """First pool row; valid while active (and read it after the step's activate() calls: compaction moves rows)."""
-        return self._v.row_start
+        """First row in the dense pools (-1 if it targets no dense group); valid while active (and read it after the
+        step's activate() calls: compaction moves rows)."""
+        return self._v.rows[DENSE]
+
+    @property
+    def expert_row_start(self) -> int:
+        """First row in the expert pools (-1 if it targets no expert); valid like row_start."""
+        return self._v.rows[EXPERT]
 
     def __repr__(self) -> str:
         return (f"AdapterRef({self.name!r}, version={self.version}, rank={self.rank}, ready={self.ready}, "
@@ -137,10 +163,15 @@ class AdapterRegistry:
         self.max_lora_rank = int(config.max_lora_rank)
         self.max_host_adapters = int(config.max_host_adapters)
         self.spec = spec if spec is not None else LoraModelSpec.from_model(model)
-        capacity = LoraPool.capacity_for(self.spec, config.lora_memory_bytes, dtype)
-        self.pool = LoraPool(self.spec, capacity, self.device, dtype)
-        if model is not None:
-            self.pool.attach(model)
+        pools = []
+        for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
+            sub = self.spec.space(expert=space == EXPERT)
+            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype), self.device,
+                                  dtype))
+            if model is not None:
+                pools[-1].attach(model)
+        self.pools: tuple[LoraPool, LoraPool] = tuple(pools)
+        self.pool, self.expert_pool = pools  # dense, expert
         self._pin = self.device.type == "cuda"
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -149,24 +180,34 @@ class AdapterRegistry:
         self._versions: set[_Version] = set()
         self._version_ids = itertools.count(1)
         self._clock = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
-        self.num_evictions = 0
-        self.num_compactions = 0
+        # the loader pins host memory and may touch the device: on the engine's device, not the thread's default
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
+                                            initializer=bind_thread, initargs=(self.device,))
+        self.evictions = [0, 0]  # per space
+        self.compactions = [0, 0]
         self.num_disk_loads = 0
 
     # ------------------------------------------------------------------ properties
 
     @property
     def enabled(self) -> bool:
-        return self.pool.capacity > 0
+        return any(p.capacity > 0 for p in self.pools)
 
     @property
     def capacity_rows(self) -> int:
         return self.pool.capacity
 
+    @property
+    def num_evictions(self) -> int:
+        return sum(self.evictions)
+
+    @property
+    def num_compactions(self) -> int:
+        return sum(self.compactions)
+
     def num_resident(self) -> int:
         with self._lock:
-            return sum(1 for v in self._versions if v.row_start >= 0)
+            return sum(1 for v in self._versions if v.resident)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -184,9 +225,10 @@ class AdapterRegistry:
         with self._lock:
             if name in self._names or name in self._reloading:
                 raise RequestError("lora_name", f"adapter {name!r} is already loaded (use reload to replace it)")
-            real = resolve_adapter_path(path if path is not None else name, self.roots, "lora_path" if path is not None else "lora_name")
-            cfg = self._read_config(real, name, "lora_path")
-            v = self._new_version(name, real, cfg, "load")
+            real = resolve_adapter_path(path if path is not None else name, self.roots,
+                                        "lora_path" if path is not None else "lora_name")
+            cfg, ranks = self._read_config(real, name, "lora_path")
+            v = self._new_version(name, real, cfg, ranks, "load")
             self._names[name] = v
             fut = self._start_load(v)
         return fut.result() if wait else fut
@@ -202,8 +244,8 @@ class AdapterRegistry:
             if cur.pending_kind == "load" or name in self._reloading:
                 raise RequestError("lora_name", f"adapter {name!r} is still loading; retry when done")
             real = resolve_adapter_path(path if path is not None else cur.path, self.roots, "lora_path")
-            cfg = self._read_config(real, name, "lora_path")
-            v = self._new_version(name, real, cfg, "reload")
+            cfg, ranks = self._read_config(real, name, "lora_path")
+            v = self._new_version(name, real, cfg, ranks, "reload")
             self._reloading[name] = v
             fut = self._start_load(v)
         return fut.result() if wait else fut
@@ -238,20 +280,28 @@ class AdapterRegistry:
             return out
 
     def info(self) -> dict:
+        """Counts; the row keys without a prefix are the dense space's, those with `expert_` the expert space's."""
         with self._lock:
-            return {
-                "capacity_rows": self.pool.capacity,
-                "free_rows": self.pool.allocator.num_free,
-                "pool_bytes": self.pool.nbytes,
-                "resident": sum(1 for v in self._versions if v.row_start >= 0),
-                "host": sum(1 for v in self._versions if v.host is not None and v.row_start < 0),
+            out = {
+                "resident": sum(1 for v in self._versions if v.resident),
+                "host": sum(1 for v in self._versions if v.host is not None and not v.resident),
                 "versions": len(self._versions),
                 "refs": sum(v.refcount for v in self._versions),  # unreleased request refs, stale versions included
                 "active": sum(v.active for v in self._versions),
-                "evictions": self.num_evictions,
-                "compactions": self.num_compactions,
                 "disk_loads": self.num_disk_loads,
             }
+            for space, pool in enumerate(self.pools):
+                pre = "expert_" if space == EXPERT else ""
+                out.update({
+                    f"{pre}capacity_rows": pool.capacity,
+                    f"{pre}free_rows": pool.allocator.num_free,
+                    f"{pre}pool_bytes": pool.nbytes,
+                    f"{pre}row_bytes": pool.spec.bytes_per_row(self.dtype),
+                    f"{pre}holders": sum(1 for v in self._versions if v.rows[space] >= 0),  # versions with rows here
+                    f"{pre}evictions": self.evictions[space],
+                    f"{pre}compactions": self.compactions[space],
+                })
+            return out
 
     def wait_for_loads(self, timeout: float | None = None) -> bool:
         """Block until some background load finishes (or timeout); True if none is in flight afterwards.
@@ -272,15 +322,17 @@ class AdapterRegistry:
         validate_adapter_name(name, "lora_name")
         with self._lock:
             if not self.enabled:
-                raise RequestError("lora_name", "LoRA adapters are disabled (lora_memory_bytes is too small for one rank row)")
+                names = [f for f, p in zip(SPACE_FIELDS, self.pools) if p.spec.groups]
+                raise RequestError("lora_name", f"LoRA adapters are disabled ({' and '.join(names)} "
+                                   f"{'is' if len(names) == 1 else 'are'} too small for one rank row)")
             v = self._names.get(name)
             if v is None:
                 real = self._resolve_first_use(name)
-                cfg = self._read_config(real, name, "lora_name")
-                v = self._new_version(name, real, cfg, "load")
+                cfg, ranks = self._read_config(real, name, "lora_name")
+                v = self._new_version(name, real, cfg, ranks, "load")
                 self._names[name] = v
                 self._start_load(v)
-            elif v.host is None and v.row_start < 0 and not v.loading:
+            elif v.host is None and not v.resident and not v.loading:
                 v.error = None
                 self._start_load(v)  # dropped from host memory earlier (or a failed re-read): read again
             v.refcount += 1
@@ -295,16 +347,18 @@ class AdapterRegistry:
             v = ref._v
             if ref.active:
                 return True
-            if v.row_start < 0:
+            if not v.resident:
                 if v.host is None:
                     if v.error is not None and not v.loading:
                         raise RequestError("lora_name", v.error)
                     return False
-                start = self._alloc_rows(v.rank)
-                if start is None:
-                    return False
-                self.pool.write(start, v.host)
-                v.row_start = start
+                for space, pool in enumerate(self.pools):
+                    if v.ranks[space] and v.rows[space] < 0:
+                        start = self._alloc_rows(space, v.ranks[space])
+                        if start is None:
+                            return False  # rows taken in the other space stay cached (evictable, not pinned)
+                        pool.write(start, v.host)
+                        v.rows[space] = start
                 self._trim_host()
             v.active += 1
             ref.active = True
@@ -338,27 +392,52 @@ class AdapterRegistry:
         self._clock += 1
         v.last_used = self._clock
 
-    def _read_config(self, real: str, name: str, field_name: str) -> AdapterConfigInfo:
+    def _read_config(self, real: str, name: str, field_name: str) -> tuple[AdapterConfigInfo, list[int]]:
+        """The adapter's config and the rows it takes per space (refused if a space cannot hold them)."""
         try:
             cfg = read_adapter_config(real, name, self.max_lora_rank)
+            modules = target_ranks(name, cfg, self.spec)
         except AdapterLoadError as e:
             raise RequestError(field_name, str(e)) from None
-        if cfg.max_rank > self.pool.capacity:
-            raise RequestError(field_name, f"adapter {name!r}: rank {cfg.max_rank} does not fit the device LoRA pool "
-                               f"({self.pool.capacity} rank rows); raise lora_memory_bytes")
-        return cfg
+        if not modules:
+            raise RequestError(field_name, f"adapter {name!r}: target_modules {cfg.target_modules!r} selects no "
+                               f"module of this {self.spec.arch}")
+        ranks = [0, 0]
+        for (_, proj), r in modules.items():
+            space = EXPERT if proj in EXPERT_PROJS else DENSE
+            ranks[space] = max(ranks[space], r)
+        err = self._room_error(name, ranks)
+        if err is not None:
+            raise RequestError(field_name, err)
+        return cfg, ranks
+
+    def _room_error(self, name: str, ranks: list[int]) -> str | None:
+        """Why rows of these ranks can never fit their spaces, naming the config field to raise; None if they can."""
+        for space, (pool, r) in enumerate(zip(self.pools, ranks)):
+            if r <= pool.capacity:
+                continue
+            field_name, row = SPACE_FIELDS[space], pool.spec.bytes_per_row(self.dtype)
+            what = "MoE expert LoRA" if space == EXPERT else "LoRA on attention / dense MLP layers"
+            if pool.capacity == 0:
+                return (f"adapter {name!r} needs {r} rank rows of {what}, which is disabled: {field_name}="
+                        f"{getattr(self.config, field_name)} holds no rank row of this model ({row} bytes each); set "
+                        f"{field_name} to at least {r * row} ({r} x {row}) to serve it")
+            return (f"adapter {name!r}: rank {r} does not fit the device LoRA pool for {what} ({pool.capacity} rank "
+                    f"rows of {row} bytes); raise {field_name} to at least {r * row}")
+        return None
 
     def _resolve_first_use(self, name: str) -> str:
         if not self.roots:
-            raise RequestError("lora_name", f"unknown adapter {name!r} (not loaded, and no adapter_roots are configured)")
+            raise RequestError("lora_name",
+                               f"unknown adapter {name!r} (not loaded, and no adapter_roots are configured)")
         found = any(os.path.isdir(os.path.join(r, name)) for r in self.roots)
         if not found:
             raise RequestError("lora_name", f"unknown adapter {name!r}: not loaded, and no directory of that name "
                                f"under the adapter roots")
         return resolve_adapter_path(name, self.roots, "lora_name")
 
-    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, kind: str) -> _Version:
-        v = _Version(name, path, next(self._version_ids), cfg, kind)
+    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, ranks: list[int], kind: str) -> _Version:
+        v = _Version(name, path, next(self._version_ids), cfg, ranks, kind)
         self._versions.add(v)
         self._touch(v)
         return v
@@ -384,6 +463,9 @@ class AdapterRegistry:
                 err = (f"adapter {v.name!r}: its files in {v.path} changed on disk since it was loaded; "
                        f"call reload({v.name!r}) to serve the new weights")
                 w = None
+            ranks = [pool.rank_of(w) for pool in self.pools] if err is None else []
+            if err is None:  # the weights decide (the loader checked them against the config's ranks)
+                err = self._room_error(v.name, ranks)
             v.loading = False
             self.num_disk_loads += 1
             if err is not None:
@@ -397,7 +479,7 @@ class AdapterRegistry:
                 v.pending_kind = ""
                 self._maybe_free(v)
             else:
-                v.host, v.rank, v.scaling = w, w.rank, w.scaling
+                v.host, v.rank, v.ranks, v.scaling = w, w.rank, ranks, w.scaling
                 v.content_hash, v.targets, v.error = w.content_hash, w.target_modules, None
                 if v.pending_kind == "reload" and self._reloading.get(v.name) is v:
                     del self._reloading[v.name]
@@ -419,49 +501,53 @@ class AdapterRegistry:
     def _maybe_free(self, v: _Version) -> None:
         """Free a stale version nobody holds (rows + host weights)."""
         if v.stale and v.refcount == 0 and not v.loading and v in self._versions:
-            if v.row_start >= 0:
-                self.pool.allocator.free(v.row_start, v.rank)
-                v.row_start = -1
+            for space, pool in enumerate(self.pools):
+                if v.rows[space] >= 0:
+                    pool.allocator.free(v.rows[space], v.ranks[space])
+                    v.rows[space] = -1
             v.host = None
             self._versions.discard(v)
 
-    def _evict(self, v: _Version) -> None:
-        self.pool.allocator.free(v.row_start, v.rank)
-        v.row_start = -1
-        self.num_evictions += 1
+    def _evict(self, v: _Version, space: int) -> None:
+        """Drop v's rows in one space (its rows in the other space stay)."""
+        self.pools[space].allocator.free(v.rows[space], v.ranks[space])
+        v.rows[space] = -1
+        self.evictions[space] += 1
         self._maybe_free(v)
 
-    def _alloc_rows(self, n: int) -> int | None:
-        alloc = self.pool.allocator
+    def _alloc_rows(self, space: int, n: int) -> int | None:
+        """n contiguous rows in one space: first fit, else compaction if enough rows are free, else evict the least
+        recently used unpinned holder of rows in this space and retry."""
+        alloc = self.pools[space].allocator
         start = alloc.alloc(n)
         while start is None:
             if alloc.num_free >= n:
-                self._compact()
+                self._compact(space)
                 start = alloc.alloc(n)
                 break
-            victims = [x for x in self._versions if x.row_start >= 0 and x.active == 0]
+            victims = [x for x in self._versions if x.rows[space] >= 0 and x.active == 0]
             if not victims:
                 return None
-            self._evict(min(victims, key=lambda x: x.last_used))
+            self._evict(min(victims, key=lambda x: x.last_used), space)
             start = alloc.alloc(n)
         return start
 
-    def _compact(self) -> None:
-        """Slide all resident versions to the front of the pools (rows are read per step, so this is safe
-        between steps; meta built afterwards sees the new row_start)."""
-        pos = 0
-        for v in sorted((x for x in self._versions if x.row_start >= 0), key=lambda x: x.row_start):
-            if v.row_start != pos:
-                self.pool.move(v.row_start, pos, v.rank)
-                v.row_start = pos
-            pos += v.rank
-        self.pool.allocator.reset(pos)
-        self.num_compactions += 1
+    def _compact(self, space: int) -> None:
+        """Slide the space's row holders to the front of its pools (rows are read per step, so this is safe
+        between steps; meta built afterwards sees the new rows)."""
+        pool, pos = self.pools[space], 0
+        for v in sorted((x for x in self._versions if x.rows[space] >= 0), key=lambda x: x.rows[space]):
+            if v.rows[space] != pos:
+                pool.move(v.rows[space], pos, v.ranks[space])
+                v.rows[space] = pos
+            pos += v.ranks[space]
+        pool.allocator.reset(pos)
+        self.compactions[space] += 1
 
     def _trim_host(self) -> None:
         """Keep at most max_host_adapters versions in host memory that are not device-resident; drop the
         least recently used ones no request holds (they are read from disk again on next use)."""
-        held = [v for v in self._versions if v.host is not None and v.row_start < 0]
+        held = [v for v in self._versions if v.host is not None and not v.resident]
         over = len(held) - self.max_host_adapters
         if over <= 0:
             return
@@ -481,7 +567,9 @@ class AdapterRegistry:
             "error": v.error,
             "refs": v.refcount,
             "active": v.active,
-            "row_start": v.row_start,
+            "row_start": v.rows[DENSE],
+            "expert_row_start": v.rows[EXPERT],
+            "rows": dict(zip(SPACE_NAMES, v.ranks)),  # rows it takes per space
             "stale": v.stale,
         }
 
@@ -489,34 +577,57 @@ class AdapterRegistry:
 def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int], device) -> LoraBatchMeta | None:
     """LoraBatchMeta for a flattened batch: sequence i has num_tokens[i] consecutive tokens, in order.
 
-    refs[i] is the sequence's active AdapterRef or None. Tokens are grouped per adapter version with a
-    stable argsort (one loop over sequences, none over tokens). Returns None if no token uses an adapter.
+    refs[i] is the sequence's active AdapterRef or None. The returned meta groups the tokens of adapters with dense
+    rows (no group if none has any); its `experts` groups the tokens of adapters with expert rows, by their expert
+    rows (None if none has any). Returns None if no token uses an adapter.
     """
     if len(refs) != len(num_tokens):
         raise ValueError(f"{len(refs)} refs but {len(num_tokens)} token counts")
+    seq_versions: list[_Version | None] = []
+    for ref in refs:
+        if ref is not None and (not ref.active or not ref._v.resident):
+            raise RuntimeError(f"adapter {ref.name!r} is not active: call activate() before building the batch")
+        seq_versions.append(None if ref is None else ref._v)
+    if all(v is None for v in seq_versions):
+        return None
+    counts = torch.tensor(list(num_tokens), dtype=torch.int64)
+    device = torch.device(device)
+    meta = _space_meta(seq_versions, counts, DENSE, device) or _empty_meta(device)
+    meta.experts = _space_meta(seq_versions, counts, EXPERT, device)
+    return meta
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return t
+    nb = device.type == "cuda"
+    return (t.pin_memory() if nb else t).to(device, non_blocking=nb)
+
+
+def _space_meta(seq_versions: list[_Version | None], counts: torch.Tensor, space: int,
+                device: torch.device) -> LoraBatchMeta | None:
+    """The grouping of one row space: tokens per adapter version with rows there (a stable argsort; one loop over
+    sequences, none over tokens); None if no sequence's adapter has rows in the space."""
     group_of: dict[int, int] = {}
-    seq_group = [-1] * len(refs)
+    seq_group = [-1] * len(seq_versions)
     targeted: set[str] = set()
     row_start: list[int] = []
     ranks: list[int] = []
     scalings: list[float] = []
-    for i, ref in enumerate(refs):
-        if ref is None:
+    for i, v in enumerate(seq_versions):
+        if v is None or not v.ranks[space]:
             continue
-        v = ref._v
         g = group_of.get(id(v))
         if g is None:
-            if not ref.active or v.row_start < 0:
-                raise RuntimeError(f"adapter {v.name!r} is not active: call activate() before building the batch")
             g = group_of[id(v)] = len(row_start)
-            row_start.append(v.row_start)
-            ranks.append(v.rank)
+            row_start.append(v.rows[space])
+            ranks.append(v.ranks[space])
             scalings.append(float(v.scaling))
-            targeted.update(GROUP_LAYOUT[PROJ_TO_GROUP[p][0]][0] for p in v.targets)
+            targeted.update(GROUP_LAYOUT[PROJ_TO_GROUP[p][0]][0] for p in v.targets
+                            if (p in EXPERT_PROJS) == (space == EXPERT))
         seq_group[i] = g
     if not row_start:
         return None
-    counts = torch.tensor(list(num_tokens), dtype=torch.int64)
     tok_group = torch.repeat_interleave(torch.tensor(seq_group, dtype=torch.int64), counts)
     order = torch.argsort(tok_group, stable=True)
     num_none = int((tok_group < 0).sum())
@@ -524,26 +635,30 @@ def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int]
     seg_counts = torch.bincount(tok_group[tok_group >= 0], minlength=len(row_start))
     seg_starts = torch.zeros(len(row_start) + 1, dtype=torch.int64)
     torch.cumsum(seg_counts, 0, out=seg_starts[1:])
-    seg_starts_cpu = seg_starts.tolist()
-    device = torch.device(device)
-    nb = device.type == "cuda"
-
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        if device.type == "cpu":
-            return t
-        return (t.pin_memory() if nb else t).to(device, non_blocking=nb)
-
     return LoraBatchMeta(
-        token_indices=dev(token_indices.contiguous()),
-        seg_starts=dev(seg_starts.to(torch.int32)),
-        row_start=dev(torch.tensor(row_start, dtype=torch.int32)),
-        ranks=dev(torch.tensor(ranks, dtype=torch.int32)),
-        scalings=dev(torch.tensor(scalings, dtype=torch.float32)),
+        token_indices=_to_device(token_indices.contiguous(), device),
+        seg_starts=_to_device(seg_starts.to(torch.int32), device),
+        row_start=_to_device(torch.tensor(row_start, dtype=torch.int32), device),
+        ranks=_to_device(torch.tensor(ranks, dtype=torch.int32), device),
+        scalings=_to_device(torch.tensor(scalings, dtype=torch.float32), device),
         max_rank=max(ranks),
         max_seg_len=int(seg_counts.max()),
-        seg_starts_cpu=seg_starts_cpu,
+        seg_starts_cpu=seg_starts.tolist(),
         row_start_cpu=row_start,
         ranks_cpu=ranks,
         scalings_cpu=scalings,
         module_groups=frozenset(targeted) if targeted else None,
+    )
+
+
+def _empty_meta(device: torch.device) -> LoraBatchMeta:
+    """No token has dense rows (every adapter of the step targets experts only): the linear layers skip LoRA."""
+    return LoraBatchMeta(
+        token_indices=torch.zeros(0, dtype=torch.int64, device=device),
+        seg_starts=torch.zeros(1, dtype=torch.int32, device=device),
+        row_start=torch.zeros(0, dtype=torch.int32, device=device),
+        ranks=torch.zeros(0, dtype=torch.int32, device=device),
+        scalings=torch.zeros(0, dtype=torch.float32, device=device),
+        max_rank=0, max_seg_len=0, seg_starts_cpu=[0], row_start_cpu=[], ranks_cpu=[], scalings_cpu=[],
+        module_groups=frozenset(),
     )

@@ -1,12 +1,14 @@
 """Device pools of LoRA rank rows and their row allocator.
 
-One pool pair per module group, stacked over layers:
-  a[group]: [num_layers, num_slices, capacity, in_features]
-  b[group]: [num_layers, capacity, sum(output_sizes)]
-Module `layers.{i}.<group>` gets the views a[group][i] ([S, R, in]) and b[group][i] ([R, sum_out]) as its
-`lora_a` / `lora_b`. An adapter version owns the same contiguous rows [row_start, row_start + rank) in every
-pool (all groups, all layers); groups or slices it does not target are written as zeros, so rows need no
-clearing when freed.
+A LoraPool covers the module groups of one row space (`LoraModelSpec.space`: the dense groups, or the MoE expert
+groups), one pool pair per group, stacked over the layers that have the group (and experts, for expert groups):
+  a[group]: [group layers, (num_experts,) num_slices, capacity, in_features]
+  b[group]: [group layers, (num_experts,) capacity, sum(output_sizes)]
+Module `layers.{i}.<group>` gets the views a[group][j] ([(E,) S, R, in]) and b[group][j] ([(E,) R, sum_out]) as
+its `lora_a` / `lora_b`, j = the position of layer i among the group's layers.
+An adapter version owns the same contiguous rows [row_start, row_start + rank) in every pool of a space (all its
+groups, all layers), rank = its largest module rank among them (`rank_of`); groups or slices it does not target are
+written as zeros, so rows need no clearing when freed.
 """
 from __future__ import annotations
 
@@ -85,52 +87,63 @@ class LoraPool:
         self.device = torch.device(device)
         self.dtype = dtype
         self.allocator = RowAllocator(self.capacity)
-        L = spec.num_layers
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         if self.capacity > 0:
             for g in spec.groups:
-                self.a[g.name] = torch.zeros(L, g.num_slices, self.capacity, g.in_features, device=self.device, dtype=dtype)
-                self.b[g.name] = torch.zeros(L, self.capacity, g.out_features, device=self.device, dtype=dtype)
+                lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
+                self.a[g.name] = torch.zeros(*lead, g.num_slices, self.capacity, g.in_features, device=self.device,
+                                             dtype=dtype)
+                self.b[g.name] = torch.zeros(*lead, self.capacity, g.out_features, device=self.device, dtype=dtype)
 
     @staticmethod
     def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype) -> int:
-        return int(memory_bytes) // spec.bytes_per_row(dtype)
+        """Rank rows that fit memory_bytes (0 for a space without groups, e.g. the expert space of a dense model)."""
+        per_row = spec.bytes_per_row(dtype)
+        return int(memory_bytes) // per_row if per_row else 0
+
+    def rank_of(self, w: AdapterWeights) -> int:
+        """Rows the adapter takes in this pool: its largest module rank among the pool's groups; 0 = none targeted."""
+        return max((w.ranks.get(g.name, w.rank) for g in self.spec.groups if g.name in w.a), default=0)
 
     @property
     def nbytes(self) -> int:
         return self.capacity * self.spec.bytes_per_row(self.dtype)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Point every LoRA-capable module's lora_a / lora_b at its layer's view of the pools."""
+        """Point the LoRA-capable modules of this pool's groups at their layer's view of the pools."""
         if self.capacity == 0:
             return
+        pos = {g.name: {layer: j for j, layer in enumerate(self.spec.layers_of(g))} for g in self.spec.groups}
         for (layer, group), mod in model.lora_modules().items():
-            mod.lora_a = self.a[group][layer]
-            mod.lora_b = self.b[group][layer]
-            mod.lora_group = group
+            if group in pos:
+                mod.lora_a = self.a[group][pos[group][layer]]
+                mod.lora_b = self.b[group][pos[group][layer]]
+                mod.lora_group = group
 
     def write(self, row_start: int, w: AdapterWeights) -> None:
-        """Copy an adapter's host weights into rows [row_start, row_start + w.rank) of every pool."""
-        r = w.rank
+        """Copy an adapter's host weights into rows [row_start, row_start + rank_of(w)) of every pool."""
+        r = self.rank_of(w)
+        if r == 0:
+            raise ValueError(f"adapter {w.name!r} targets none of the groups {[g.name for g in self.spec.groups]}")
         if row_start < 0 or row_start + r > self.capacity:
             raise ValueError(f"rows [{row_start}, {row_start + r}) outside the pool of {self.capacity}")
         nb = self.device.type == "cuda"
         for g in self.spec.groups:
-            dst_a = self.a[g.name][:, :, row_start:row_start + r]
-            dst_b = self.b[g.name][:, row_start:row_start + r]
+            dst_a = self.a[g.name][..., row_start:row_start + r, :]
+            dst_b = self.b[g.name][..., row_start:row_start + r, :]
             src_a = w.a.get(g.name)
             if src_a is None:
                 dst_a.zero_()
                 dst_b.zero_()
-            else:
-                dst_a.copy_(src_a, non_blocking=nb)
-                dst_b.copy_(w.b[g.name], non_blocking=nb)
+            else:  # rows past r of a padded group are zeros: the pool takes only the first r
+                dst_a.copy_(src_a[..., :r, :], non_blocking=nb)
+                dst_b.copy_(w.b[g.name][..., :r, :], non_blocking=nb)
 
     def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Host copies of rows (tests / debugging)."""
-        a = {k: v[:, :, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.a.items()}
-        b = {k: v[:, row_start:row_start + rank].to("cpu", copy=True) for k, v in self.b.items()}
+        a = {k: v[..., row_start:row_start + rank, :].to("cpu", copy=True) for k, v in self.a.items()}
+        b = {k: v[..., row_start:row_start + rank, :].to("cpu", copy=True) for k, v in self.b.items()}
         return a, b
 
     def move(self, src: int, dst: int, n: int) -> None:
@@ -139,5 +152,5 @@ class LoraPool:
             return
         for g in self.spec.groups:
             a, b = self.a[g.name], self.b[g.name]
-            a[:, :, dst:dst + n] = a[:, :, src:src + n].clone()
-            b[:, dst:dst + n] = b[:, src:src + n].clone()
+            a[..., dst:dst + n, :] = a[..., src:src + n, :].clone()
+            b[..., dst:dst + n, :] = b[..., src:src + n, :].clone()

@@ -1,19 +1,25 @@
 """Load a HF PEFT LoRA adapter directory (`save_pretrained` output) as is, into host tensors laid out for the pools.
 
-Accepted: `adapter_config.json` + `adapter_model.safetensors` with LoRA A/B weights for any subset of
-q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (target_modules given as a list, "all-linear"
-or a regex string), ranks 1..max_lora_rank, `lora_alpha / r` scaling or rsLoRA (`lora_alpha / sqrt(r)`),
-`rank_pattern` / `alpha_pattern` (per-module rank and alpha, matched like PEFT does), `layers_to_transform`,
-`exclude_modules`. Weights are converted to the base model's dtype.
+Accepted: `adapter_config.json` + `adapter_model.safetensors` with LoRA A/B weights for any subset of the
+model's projections (loom.lora.model_spec): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or
+Phi-3's fused qkv_proj / gate_up_proj (target_modules given as a list, "all-linear" or a regex string), and on
+MoE models the experts through `target_parameters` (mlp.experts.gate_up_proj, mlp.experts.down_proj: PEFT's
+ParamWrapper, one LoRA per expert); ranks 1..max_lora_rank, `lora_alpha / r` scaling or rsLoRA, `rank_pattern`
+/ `alpha_pattern` (matched like PEFT does), `layers_to_transform`, `exclude_modules`. Weights are converted to
+the base model's dtype.
 
 Refused with an `AdapterLoadError` that names the adapter and the problem: anything that would change
-the math beyond plain LoRA on those seven projections (DoRA, biases, modules_to_save, embedding/lm_head
-LoRA, fan_in_fan_out, ...), shape mismatches with the base model, missing files, pickle-only
-`adapter_model.bin` (never unpickled), rank > max_lora_rank, non-finite weights.
+the math beyond plain LoRA on those projections (DoRA, biases, modules_to_save, embedding/lm_head/router
+LoRA, fan_in_fan_out, ...), MoE targets that PEFT would first convert for transformers 5 (expert or router
+names in target_modules, "all-linear" on a MoE model), shape mismatches with the base model, missing files,
+pickle-only `adapter_model.bin` (never unpickled), rank > max_lora_rank, non-finite weights.
 
-The result (`AdapterWeights`) holds, per module group (qkv_proj, o_proj, gate_up_proj, down_proj), A as
-[num_layers, num_slices, rank, in] and B^T as [num_layers, rank, sum(output_sizes)] (zeros for untargeted
-slices/layers); groups the adapter does not touch at all are absent (the pool writes zeros there).
+The result (`AdapterWeights`) holds, per module group (loom.lora.model_spec.GROUP_LAYOUT), A as
+[group layers, (experts,) num_slices, rank, in] and B^T as [group layers, (experts,) rank, sum(output_sizes)] (the
+layers that have the group, as the pools stack them; zeros for untargeted slices/layers); groups the adapter does not
+touch at all are absent (the pool writes zeros there), and `ranks` gives each present group's largest module rank.
+A fused projection (Phi-3's qkv_proj, the experts' gate_up_proj) has one A for all its slices: it is copied into
+each slice, and B is split by slice.
 If modules of one adapter have different ranks (rank_pattern) they are zero-padded to the adapter's
 largest rank; if they have different scalings, the ratio to the adapter's scaling is folded into B.
 """
@@ -28,7 +34,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from loom.lora.model_spec import (
+    ALL_PROJS,
+    EXPERT_PROJS,
+    FUSED_PROJS,
+    GROUP_LAYOUT,
+    MOE_V4_NAMES,
+    PROJ_TO_GROUP,
+    SUPPORTED_PROJS,
+    LoraGroupSpec,
+    LoraModelSpec,
+    hf_module_name,
+)
+
+__all__ = ["SUPPORTED_PROJS", "GROUP_LAYOUT", "PROJ_TO_GROUP", "LoraGroupSpec", "LoraModelSpec", "hf_module_name",
+           "AdapterLoadError", "AdapterWeights", "AdapterConfigInfo", "read_adapter_config", "parse_adapter_config",
+           "load_peft_adapter", "is_targeted", "target_ranks"]
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
@@ -40,113 +62,6 @@ class AdapterLoadError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The base model's LoRA-capable linear layers
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoraGroupSpec:
-    """One fused linear per decoder layer (e.g. qkv_proj with slices q, k, v)."""
-
-    name: str  # "qkv_proj" | "o_proj" | "gate_up_proj" | "down_proj"
-    path: str  # module path inside a decoder layer, e.g. "self_attn.qkv_proj"
-    projs: tuple[str, ...]  # HF/PEFT projection names of the slices, in slice order
-    in_features: int
-    output_sizes: tuple[int, ...]
-
-    @property
-    def num_slices(self) -> int:
-        return len(self.projs)
-
-    @property
-    def out_features(self) -> int:
-        return sum(self.output_sizes)
-
-    @property
-    def slice_offsets(self) -> list[int]:
-        offs = [0]
-        for s in self.output_sizes:
-            offs.append(offs[-1] + s)
-        return offs
-
-    @property
-    def elems_per_row(self) -> int:
-        """Pool elements one rank row takes in one layer: A for each slice plus the B row."""
-        return self.num_slices * self.in_features + self.out_features
-
-
-GROUP_LAYOUT = (
-    # name, path in the decoder layer, block in HF naming, projection names of the slices
-    ("qkv_proj", "self_attn.qkv_proj", "self_attn", ("q_proj", "k_proj", "v_proj")),
-    ("o_proj", "self_attn.o_proj", "self_attn", ("o_proj",)),
-    ("gate_up_proj", "mlp.gate_up_proj", "mlp", ("gate_proj", "up_proj")),
-    ("down_proj", "mlp.down_proj", "mlp", ("down_proj",)),
-)
-# projection name -> (group index, slice index, HF block)
-PROJ_TO_GROUP = {p: (gi, si, blk) for gi, (_, _, blk, projs) in enumerate(GROUP_LAYOUT) for si, p in enumerate(projs)}
-
-
-@dataclass(frozen=True)
-class LoraModelSpec:
-    num_layers: int
-    groups: tuple[LoraGroupSpec, ...]
-
-    @property
-    def elems_per_row(self) -> int:
-        return self.num_layers * sum(g.elems_per_row for g in self.groups)
-
-    def bytes_per_row(self, dtype: torch.dtype) -> int:
-        return self.elems_per_row * torch.empty((), dtype=dtype).element_size()
-
-    def proj_shape(self, proj: str) -> tuple[int, int]:
-        """(in_features, out_features) of one HF projection."""
-        gi, si, _ = PROJ_TO_GROUP[proj]
-        g = self.groups[gi]
-        return g.in_features, g.output_sizes[si]
-
-    @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "LoraModelSpec":
-        found = model.lora_modules()  # (layer, group name) -> fused linear: the model says which are LoRA-capable
-        if not found:
-            raise ValueError("the model has no LoRA-capable layers (layers.N.self_attn.qkv_proj, ...)")
-        num_layers = 1 + max(layer for layer, _ in found)
-        groups = []
-        for name, path, _, projs in GROUP_LAYOUT:
-            ref = None
-            for layer in range(num_layers):
-                mod = found.get((layer, name))
-                if mod is None:
-                    raise ValueError(f"the model lacks layers.{layer}.{path}")
-                shape = (int(mod.in_features), tuple(int(s) for s in mod.output_sizes))
-                if len(shape[1]) != len(projs):
-                    raise ValueError(f"layers.{layer}.{path} has {len(shape[1])} output slices, expected {len(projs)}")
-                if ref is None:
-                    ref = shape
-                elif shape != ref:
-                    raise ValueError(f"layers.{layer}.{path} has shape {shape}, layer 0 has {ref} (non-uniform layers are not supported)")
-            groups.append(LoraGroupSpec(name, path, projs, ref[0], ref[1]))
-        return cls(num_layers, tuple(groups))
-
-    @classmethod
-    def from_hf_config(cls, cfg) -> "LoraModelSpec":
-        """From a transformers LlamaConfig-like object (tests; models without the fused modules)."""
-        hidden = cfg.hidden_size
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        inter = cfg.intermediate_size
-        q, kv = heads * head_dim, kv_heads * head_dim
-        dims = {
-            "qkv_proj": (hidden, (q, kv, kv)),
-            "o_proj": (q, (hidden,)),
-            "gate_up_proj": (hidden, (inter, inter)),
-            "down_proj": (inter, (hidden,)),
-        }
-        groups = tuple(LoraGroupSpec(n, p, projs, *dims[n]) for n, p, _, projs in GROUP_LAYOUT)
-        return cls(cfg.num_hidden_layers, groups)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The loaded adapter
 # ---------------------------------------------------------------------------------------------------------
 
@@ -155,12 +70,13 @@ class LoraModelSpec:
 class AdapterWeights:
     name: str
     path: str
-    rank: int  # rows this adapter takes in every pool (its largest module rank)
+    rank: int  # its largest module rank (every tensor is padded to it)
     scaling: float  # applied by the kernels; per-module differences are folded into B
-    a: dict[str, torch.Tensor]  # group name -> [num_layers, num_slices, rank, in]
-    b: dict[str, torch.Tensor]  # group name -> [num_layers, rank, sum(output_sizes)] (B transposed)
+    a: dict[str, torch.Tensor]  # group name -> [group layers, (experts,) num_slices, rank, in]
+    b: dict[str, torch.Tensor]  # group name -> [group layers, (experts,) rank, sum(output_sizes)] (B transposed)
     target_modules: list[str] = field(default_factory=list)  # projection names with weights
     content_hash: str = ""  # sha256 of config + weights files
+    ranks: dict[str, int] = field(default_factory=dict)  # group name -> largest rank of its modules (rows beyond: 0)
 
     @property
     def nbytes(self) -> int:
@@ -205,20 +121,15 @@ def _pattern_key(pattern_keys, key_to_match: str) -> str | None:
     return None
 
 
-def hf_module_name(layer: int, proj: str) -> str:
-    """The module name PEFT matches targets against (transformers' Llama-family naming)."""
-    return f"model.layers.{layer}.{PROJ_TO_GROUP[proj][2]}.{proj}"
-
-
 def _suffix_match(names, key: str) -> bool:
     return key in names or any(key.endswith(f".{n}") for n in names)
 
 
-def is_targeted(raw: dict, key: str) -> bool:
+def is_targeted(raw: dict, key: str, linear_names=SUPPORTED_PROJS) -> bool:
     """PEFT's rule (peft.tuners.tuners_utils.check_target_module_exists) for one linear module name: exclusions
-    first; a string target is a full-match regex ("all-linear": every linear layer but the output head); list
-    entries match the whole name or a dotted suffix of it, and only then layers_to_transform / layers_pattern
-    narrow the choice to the layer index (the first numbered segment)."""
+    first; a string target is a full-match regex ("all-linear": every linear layer but the output head, i.e. the
+    model's linear_names); list entries match the whole name or a dotted suffix of it, and only then
+    layers_to_transform / layers_pattern narrow the choice to the layer index (the first numbered segment)."""
     exclude = raw.get("exclude_modules")
     if exclude:
         if isinstance(exclude, str) and re.fullmatch(exclude, key) or \
@@ -226,7 +137,7 @@ def is_targeted(raw: dict, key: str) -> bool:
             return False
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
-        targets = list(SUPPORTED_PROJS)  # PEFT expands the shorthand to names, then applies the list rule
+        targets = list(linear_names)  # PEFT expands the shorthand to names, then applies the list rule
     if isinstance(targets, str):
         return re.fullmatch(targets, key) is not None
     if not _suffix_match(targets, key):
@@ -256,7 +167,8 @@ def _describe(modules: list[tuple[int, str]]) -> str:
     by_proj: dict[str, list[int]] = {}
     for layer, proj in modules:
         by_proj.setdefault(proj, []).append(layer)
-    return ", ".join(f"{p} (layers {sorted(ls)})" for p, ls in sorted(by_proj.items(), key=lambda x: SUPPORTED_PROJS.index(x[0])))
+    ordered = sorted(by_proj.items(), key=lambda x: ALL_PROJS.index(x[0]))
+    return ", ".join(f"{p} (layers {sorted(ls)})" for p, ls in ordered)
 
 
 # config fields that change the math; refused unless at their neutral value
@@ -266,7 +178,6 @@ _REFUSED_FIELDS = {
     "fan_in_fan_out": ("fan_in_fan_out=true is not supported (Llama projections are nn.Linear)", lambda v: bool(v)),
     "lora_bias": ("lora_bias is not supported", lambda v: bool(v)),
     "layer_replication": ("layer_replication is not supported", lambda v: bool(v)),
-    "target_parameters": ("target_parameters (LoRA on raw parameters) is not supported", lambda v: bool(v)),
     "trainable_token_indices": ("trainable_token_indices (trained embedding rows) is not supported", lambda v: bool(v)),
     "alora_invocation_tokens": ("activated LoRA (alora_invocation_tokens) is not supported", lambda v: bool(v)),
     "use_qalora": ("QA-LoRA (use_qalora) is not supported", lambda v: bool(v)),
@@ -287,8 +198,8 @@ def read_adapter_config(adapter_dir: str, name: str, max_lora_rank: int) -> Adap
         raise _fail(name, f"missing {CONFIG_NAME} in {adapter_dir} (expected a PEFT save_pretrained directory)")
     if not os.path.isfile(os.path.join(adapter_dir, WEIGHTS_NAME)):
         if os.path.isfile(os.path.join(adapter_dir, PICKLE_WEIGHTS_NAME)):
-            raise _fail(name, f"only {PICKLE_WEIGHTS_NAME} (pickle) found in {adapter_dir}; pickled weights are refused "
-                        f"because loading them can run arbitrary code. Save with safe_serialization=True "
+            raise _fail(name, f"only {PICKLE_WEIGHTS_NAME} (pickle) found in {adapter_dir}; pickled weights are "
+                        f"refused because loading them can run arbitrary code. Save with safe_serialization=True "
                         f"(the default) to get {WEIGHTS_NAME}")
         raise _fail(name, f"missing {WEIGHTS_NAME} in {adapter_dir}")
     if os.path.getsize(cfg_path) > MAX_CONFIG_BYTES:
@@ -340,10 +251,15 @@ def parse_adapter_config(raw: dict, name: str, max_lora_rank: int) -> AdapterCon
     if max_rank > max_lora_rank:
         raise _fail(name, f"rank {max_rank} exceeds max_lora_rank={max_lora_rank}")
 
+    params = raw.get("target_parameters") or []
+    if not (isinstance(params, list) and all(isinstance(t, str) and t for t in params)):
+        raise _fail(name, f"target_parameters must be a list of parameter names, got {params!r}")
     targets = raw.get("target_modules")
-    if targets is None:
-        raise _fail(name, "target_modules is not set")
-    if isinstance(targets, str):
+    if targets is None or targets == [] and params:
+        if not params:
+            raise _fail(name, "target_modules is not set")
+        targets = []
+    elif isinstance(targets, str):
         if targets != "all-linear":
             try:
                 re.compile(targets)
@@ -352,9 +268,11 @@ def parse_adapter_config(raw: dict, name: str, max_lora_rank: int) -> AdapterCon
     elif isinstance(targets, list):
         if not targets:
             raise _fail(name, "target_modules is empty")
+        known = SUPPORTED_PROJS + FUSED_PROJS + MOE_V4_NAMES["mixtral"]  # the MoE names are judged with the model
         for t in targets:
-            if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in SUPPORTED_PROJS:
-                raise _fail(name, f"unsupported target module {t!r} (supported: {', '.join(SUPPORTED_PROJS)})")
+            if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in known:
+                raise _fail(name, f"unsupported target module {t!r} (supported: "
+                            f"{', '.join(SUPPORTED_PROJS + FUSED_PROJS)})")
     else:
         raise _fail(name, f"target_modules must be a list or a string, got {type(targets).__name__}")
     exclude = raw.get("exclude_modules")
@@ -382,6 +300,11 @@ _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<block>[A-Za-z_]+)\.(?P<proj>[A-Za-z_]+))"
     r"\.lora_(?P<ab>A|B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
 )
+# PEFT's ParamWrapper on the experts: one wrapper per targeted parameter, nested (inner ones under .base_layer)
+_EXPERT_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)(?P<inner>(?:\.base_layer)*)"
+    r"\.lora_(?P<ab>A|B)(?:\.[A-Za-z0-9_\-]+)?\.weight$"
+)
 
 
 def _explain_key(key: str) -> str:
@@ -395,7 +318,97 @@ def _explain_key(key: str) -> str:
         return "modules_to_save weights are not supported"
     if key.endswith(".bias"):
         return "bias weights are not supported"
-    return "not a LoRA A/B weight of q/k/v/o/gate/up/down_proj"
+    return "not a LoRA A/B weight of a projection loom serves"
+
+
+def _moe_targets(name: str, config: AdapterConfigInfo, spec: LoraModelSpec) -> set[tuple[int, str]]:
+    """The experts target_parameters selects, as PEFT matches them ((layer, experts.* projection) pairs); refuses
+    what PEFT would convert or apply to the router first, and parameters that are not expert weights."""
+    params = config.raw.get("target_parameters") or []
+    family = spec.moe_family
+    if family is None:
+        if params:
+            raise _fail(name, f"target_parameters {params!r}: only the experts of a MoE model are served as "
+                        "parameter targets (use target_modules for linear layers)")
+        return set()
+    v4 = MOE_V4_NAMES[family]
+    how = ("on transformers 5, PEFT converts such a config onto the fused experts / the router before applying it; "
+           "loom serves expert LoRA as PEFT saves it there: target_parameters "
+           "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
+    g = spec.group("experts_gate_up")
+    layers = spec.layers_of(g)
+    targets = config.target_modules
+    if isinstance(targets, str):
+        probes = [f"model.layers.{i}.mlp.{n}" for i in layers for n in ["gate", "gate.weight", *EXPERT_PROJS]
+                  + [f"experts.{old}" for old in v4 if old != "gate"]]
+        hit = "all-linear" if targets.lower() == "all-linear" else \
+            next((p for p in probes if re.fullmatch(targets, p)), None)
+        if hit is not None:
+            raise _fail(name, f"target_modules {targets!r} covers the MoE router or experts ({hit}): {how}")
+    else:
+        bad = [t for t in targets if t.rsplit(".", 1)[-1] in v4]
+        if bad:
+            raise _fail(name, f"target_modules {bad} name MoE router/expert modules of transformers 4: {how}")
+    found = set()
+    for t in params:
+        keys = [(i, p) for i in layers for p in EXPERT_PROJS + ("gate.weight",)
+                if (k := f"model.layers.{i}.mlp.{p}") == t or k.endswith(f".{t}")]
+        if any(p == "gate.weight" for _, p in keys):
+            raise _fail(name, f"target_parameters {t!r}: LoRA on the MoE router (mlp.gate) is not supported")
+        if not keys:
+            raise _fail(name, f"target_parameters {t!r} is not an expert weight of this model (supported: "
+                        "mlp.experts.gate_up_proj, mlp.experts.down_proj)")
+        found.update(keys)
+    return found
+
+
+def target_ranks(name: str, config: AdapterConfigInfo, spec: LoraModelSpec) -> dict[tuple[int, str], int]:
+    """(layer, projection) -> rank, for every module (and expert weight) the config selects in this model as PEFT
+    matches it, with rank_pattern applied; known from the config alone, so the registry sizes an adapter's rows in
+    each row space before reading its weights (the loader then requires exactly these weights and ranks). Refuses
+    MoE targets PEFT would convert first and target names this model does not have."""
+    module_projs = spec.module_projs()
+    linear_names = tuple(dict.fromkeys(p for _, p in module_projs))
+    expert_targets = _moe_targets(name, config, spec)
+    if isinstance(config.target_modules, list):
+        for t in config.target_modules:
+            if t.rsplit(".", 1)[-1] not in linear_names:
+                raise _fail(name, f"target module {t!r} is not a module of this {spec.arch} (its projections: "
+                            f"{', '.join(linear_names)})")
+    targeted = {(layer, proj) for layer, proj in module_projs
+                if is_targeted(config.raw, hf_module_name(layer, proj), linear_names)} | expert_targets
+    out = {}
+    for layer, proj in targeted:
+        rk = _pattern_key(config.rank_pattern.keys(), hf_module_name(layer, proj))
+        out[(layer, proj)] = config.rank_pattern[rk] if rk is not None else config.r
+    return out
+
+
+def _read_expert_weights(name: str, entries: dict, spec: LoraModelSpec, mods: dict) -> None:
+    """PEFT's expert LoRA (A [r*E, in], B [out, r*E]) -> per expert A_e = A.view(E, r, in)[e] and
+    B_e = B.view(out, r, E)[:, :, e], into mods[(layer, experts.* projection)]; which parameter a wrapper holds
+    follows from its shapes (gate_up: in = hidden, out = 2 * intermediate; down: in = intermediate, out = hidden)."""
+    if not entries:
+        return
+    gu, dn = spec.group("experts_gate_up"), spec.group("experts_down")
+    E = gu.num_experts
+    for (layer, inner), e in sorted(entries.items()):
+        where = f"layers.{layer}.mlp.experts{inner}"
+        if "A" not in e or "B" not in e:
+            raise _fail(name, f"{where} has lora_{'A' if 'A' not in e else 'B'} missing")
+        A, B = e["A"], e["B"]
+        if A.dim() != 2 or B.dim() != 2 or A.shape[0] % E or B.shape[1] != A.shape[0]:
+            raise _fail(name, f"{where}: expert LoRA of {E} experts needs lora_A [r*{E}, in] and lora_B [out, r*{E}], "
+                        f"got {tuple(A.shape)} and {tuple(B.shape)}")
+        proj = next((p for p, g in zip(EXPERT_PROJS, (gu, dn)) if (A.shape[1], B.shape[0]) == g.proj_shape(p)), None)
+        if proj is None:
+            raise _fail(name, f"{where}: shape mismatch with the base model's experts: lora_A {tuple(A.shape)}, "
+                        f"lora_B {tuple(B.shape)}")
+        if (layer, proj) in mods:
+            raise _fail(name, f"duplicate weights for layers.{layer}.{proj}")
+        r = A.shape[0] // E
+        mods[(layer, proj)] = {"module": f"{e['module']}.{proj.split('.')[1]}", "rank": r,
+                               "A": A.reshape(E, r, A.shape[1]), "Bt": B.reshape(B.shape[0], r, E).permute(2, 1, 0)}
 
 
 def load_peft_adapter(
@@ -412,6 +425,8 @@ def load_peft_adapter(
 
     if config is None:
         config = read_adapter_config(adapter_dir, name, max_lora_rank)
+    linear_names = tuple(dict.fromkeys(p for _, p in spec.module_projs()))
+    targeted = set(target_ranks(name, config, spec))
     cfg_bytes = b""
     try:
         with open(os.path.join(adapter_dir, CONFIG_NAME), "rb") as f:
@@ -429,28 +444,33 @@ def load_peft_adapter(
     if not tensors:
         raise _fail(name, f"{WEIGHTS_NAME} holds no tensors")
 
-    # (layer, proj) -> {"A": t, "B": t, "module": module key}
+    # (layer, proj) -> {"module": PEFT module key, "A": [(E,) r, in], "Bt": [(E,) r, out], "rank": r}
     mods: dict[tuple[int, str], dict] = {}
+    dense: dict[tuple[int, str], dict] = {}
+    experts: dict[tuple[int, str], dict] = {}
     for key, t in tensors.items():
-        m = _KEY_RE.match(key)
-        if not m:
-            raise _fail(name, f"unsupported weight {key!r}: {_explain_key(key)}")
-        proj, block = m.group("proj"), m.group("block")
-        if proj not in PROJ_TO_GROUP or PROJ_TO_GROUP[proj][2] != block:
-            raise _fail(name, f"unsupported target module {block}.{proj} in weight {key!r} "
-                        f"(supported: {', '.join(SUPPORTED_PROJS)})")
-        layer = int(m.group("layer"))
+        m = _EXPERT_KEY_RE.match(key) if spec.moe_family else None
+        if m:
+            layer = int(m.group("layer"))
+            entry = experts.setdefault((layer, m.group("inner")), {"module": m.group("module")})
+        else:
+            m = _KEY_RE.match(key)
+            if not m:
+                raise _fail(name, f"unsupported weight {key!r}: {_explain_key(key)}")
+            proj, block = m.group("proj"), m.group("block")
+            if proj == "gate" and spec.moe_family:
+                raise _fail(name, f"unsupported weight {key!r}: LoRA on the MoE router (mlp.gate) is not supported")
+            if proj not in linear_names or PROJ_TO_GROUP[proj][2] != block:
+                raise _fail(name, f"unsupported target module {block}.{proj} in weight {key!r} "
+                            f"(supported: {', '.join(linear_names)})")
+            layer = int(m.group("layer"))
+            entry = dense.setdefault((layer, proj), {"module": m.group("module")})
         if layer >= spec.num_layers:
             raise _fail(name, f"weight {key!r} is for layer {layer} but the base model has {spec.num_layers} layers")
-        entry = mods.setdefault((layer, proj), {"module": m.group("module")})
         if m.group("ab") in entry:
-            raise _fail(name, f"duplicate weight for layers.{layer}.{proj} lora_{m.group('ab')}")
+            raise _fail(name, f"duplicate weight for layers.{layer} lora_{m.group('ab')} ({key})")
         entry[m.group("ab")] = t
-
-    # validate shapes, ranks, scalings
-    module_rank: dict[tuple[int, str], int] = {}
-    module_scaling: dict[tuple[int, str], float] = {}
-    for (layer, proj), e in sorted(mods.items()):
+    for (layer, proj), e in sorted(dense.items()):
         where = f"layers.{layer}.{proj}"
         if "A" not in e or "B" not in e:
             raise _fail(name, f"{where} has lora_{'A' if 'A' not in e else 'B'} missing")
@@ -458,14 +478,22 @@ def load_peft_adapter(
         in_f, out_f = spec.proj_shape(proj)
         if A.dim() != 2 or B.dim() != 2:
             raise _fail(name, f"{where}: lora_A/lora_B must be 2-D, got {tuple(A.shape)} and {tuple(B.shape)}")
-        r = A.shape[0]
-        if A.shape[1] != in_f or B.shape[0] != out_f or B.shape[1] != r:
+        if A.shape[1] != in_f or B.shape[0] != out_f or B.shape[1] != A.shape[0]:
             raise _fail(name, f"{where}: shape mismatch with the base model: lora_A {tuple(A.shape)}, lora_B "
                         f"{tuple(B.shape)}; expected lora_A [r, {in_f}] and lora_B [{out_f}, r]")
+        mods[(layer, proj)] = {"module": e["module"], "rank": A.shape[0], "A": A, "Bt": B.t()}
+    _read_expert_weights(name, experts, spec, mods)
+
+    # validate ranks and scalings (patterns are matched against the module / parameter key, as PEFT does)
+    module_rank: dict[tuple[int, str], int] = {}
+    module_scaling: dict[tuple[int, str], float] = {}
+    for (layer, proj), e in sorted(mods.items()):
+        where = f"layers.{layer}.{proj}"
+        r = e["rank"]
         if r < 1 or r > max_lora_rank:
             raise _fail(name, f"{where}: rank {r} is outside 1..max_lora_rank={max_lora_rank}")
-        if not (A.is_floating_point() and B.is_floating_point()):
-            raise _fail(name, f"{where}: weights must be floating point, got {A.dtype}/{B.dtype}")
+        if not (e["A"].is_floating_point() and e["Bt"].is_floating_point()):
+            raise _fail(name, f"{where}: weights must be floating point, got {e['A'].dtype}/{e['Bt'].dtype}")
         mkey = e["module"]
         rk = _pattern_key(config.rank_pattern.keys(), mkey)
         expected_r = config.rank_pattern[rk] if rk is not None else config.r
@@ -476,15 +504,14 @@ def load_peft_adapter(
         alpha = config.alpha_pattern[ak] if ak is not None else config.lora_alpha
         module_rank[(layer, proj)] = r
         module_scaling[(layer, proj)] = config.scaling_for(r, alpha)
-        if not (torch.isfinite(A).all() and torch.isfinite(B).all()):
+        if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all()):
             raise _fail(name, f"{where}: weights contain NaN or Inf")
 
-    present = sorted({proj for _, proj in mods}, key=SUPPORTED_PROJS.index)
-    targeted = {(layer, proj) for layer in range(spec.num_layers) for proj in SUPPORTED_PROJS
-                if is_targeted(config.raw, hf_module_name(layer, proj))}
+    present = sorted({proj for _, proj in mods}, key=ALL_PROJS.index)
     extra = sorted(set(mods) - targeted)
     if extra:
-        raise _fail(name, f"weights for {_describe(extra)} are not in target_modules {config.target_modules!r}")
+        raise _fail(name, f"weights for {_describe(extra)} are not in target_modules {config.target_modules!r}"
+                    + (f" / target_parameters {config.raw.get('target_parameters')!r}" if spec.moe_family else ""))
     missing = sorted(targeted - set(mods))
     if missing:
         raise _fail(name, f"target_modules {config.target_modules!r} selects {_describe(missing)} but "
@@ -497,26 +524,30 @@ def load_peft_adapter(
 
     a_out: dict[str, torch.Tensor] = {}
     b_out: dict[str, torch.Tensor] = {}
-    for gi, g in enumerate(spec.groups):
-        projs_here = [(layer, proj) for (layer, proj) in mods if PROJ_TO_GROUP[proj][0] == gi]
-        if not projs_here:
+    group_ranks: dict[str, int] = {}
+    for g in spec.groups:
+        here = [(layer, proj) for (layer, proj) in mods if spec.group_of(proj) is g]
+        if not here:
             continue
-        a = torch.zeros(spec.num_layers, g.num_slices, rank, g.in_features, dtype=dtype)
-        b = torch.zeros(spec.num_layers, rank, g.out_features, dtype=dtype)
+        pos = {layer: i for i, layer in enumerate(spec.layers_of(g))}  # the weights' layers all have the group
+        lead = (len(pos),) + ((g.num_experts,) if g.num_experts else ())
+        a = torch.zeros(*lead, g.num_slices, rank, g.in_features, dtype=dtype)
+        b = torch.zeros(*lead, rank, g.out_features, dtype=dtype)
         offs = g.slice_offsets
-        for layer, proj in projs_here:
+        for layer, proj in here:
             e = mods[(layer, proj)]
             si = PROJ_TO_GROUP[proj][1]
             r = module_rank[(layer, proj)]
             ratio = module_scaling[(layer, proj)] / base_scaling
-            a[layer, si, :r].copy_(e["A"])
-            bt = e["B"].t()
-            if ratio != 1.0:
-                bt = bt.float() * ratio
-            b[layer, :r, offs[si]:offs[si + 1]].copy_(bt)
+            bt = e["Bt"] if ratio == 1.0 else e["Bt"].float() * ratio
+            for s in (range(g.num_slices) if si is None else [si]):  # a fused projection's A serves every slice
+                a[pos[layer]][..., s, :r, :].copy_(e["A"])
+            lo, hi = (0, g.out_features) if si is None else (offs[si], offs[si + 1])
+            b[pos[layer]][..., :r, lo:hi].copy_(bt)
         a_out[g.name] = a
         b_out[g.name] = b
-    w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash)
+        group_ranks[g.name] = max(module_rank[m] for m in here)
+    w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash, group_ranks)
     if pin_memory:
         w.pin_memory()
     return w

@@ -1,66 +1,85 @@
-"""The Llama family (Llama 1-3, Mistral, Qwen2): flattened, padding-free decoder over paged KV.
+"""The shared decoder: flattened, padding-free, over paged KV. Llama and every family that differs from it only
+by configuration (loom.models.spec.ModelSpec):
 
-Differences inside the family are config flags: qkv bias (Qwen2), rope scaling (Llama 3),
-tied embeddings, head_dim and GQA group size.
+- Llama 1-3: rope scaling (linear, llama3), attention_bias (q/k/v/o), mlp_bias, tied embeddings.
+- Mistral: a sliding window on every layer. Qwen2: q/k/v biases, windows per layer (layer_types).
+- Qwen3: RMSNorm over each head of q and k before rope. Phi-3: q|k|v and gate|up fused in the checkpoint (the
+  same layout as qkv_proj / gate_up_proj here), partial rotary.
+- Mixtral, Qwen3-MoE: a sparse MoE block (loom.layers.moe) in place of the dense MLP, on every layer or on those
+  decoder_sparse_step / mlp_only_layers select.
+Gemma 2/3 keep this attention and MLP but order their norms differently: loom.models.gemma.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loom.kernels import silu_and_mul
+from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.layers.attention import PagedAttention
 from loom.layers.linear import LoRALinear
+from loom.layers.moe import ExpertLoRA, SparseMoeBlock
 from loom.layers.norm import RMSNorm
-from loom.layers.rotary import RotaryEmbedding, rope_parameters
+from loom.layers.rotary import RotaryEmbedding
+from loom.models.spec import ModelSpec
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg, max_position: int, qkv_bias: bool):
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = LoRALinear(cfg.hidden_size, [q, kv, kv], bias=qkv_bias)
-        self.o_proj = LoRALinear(q, [cfg.hidden_size], bias=False)
-        theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.qkv_proj = LoRALinear(spec.hidden_size, [q, kv, kv], bias=spec.qkv_bias)
+        self.o_proj = LoRALinear(q, [spec.hidden_size], bias=spec.o_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset=spec.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset=spec.gemma_norms)
+        self.rotary = rotary  # shared by the layers with the same rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, spec.attn_scale,
+                                   sliding_window=spec.layer_windows[layer], softcap=spec.attn_softcap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         t = x.shape[0]
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, before rope; the norms return fresh contiguous tensors
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         # split() gives views into qkv; rotary works in place on contiguous copies
-        q, k = q.contiguous(), k.contiguous()
+        q = q.reshape(t, self.num_heads, self.head_dim).contiguous()
+        k = k.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         self.rotary(positions, q, k)
         o = self.attn(q, k, v.contiguous())
         return self.o_proj(o.reshape(t, -1))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
         super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
-        self.gate_up_proj = LoRALinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
-        self.down_proj = LoRALinear(cfg.intermediate_size, [cfg.hidden_size], bias=False)
+        self.gate_up_proj = LoRALinear(spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias)
+        self.down_proj = LoRALinear(spec.intermediate_size, [spec.hidden_size], bias=spec.mlp_bias)
+        self.act_and_mul = gelu_tanh_and_mul if spec.act == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
+    if not spec.layer_moe[layer]:
+        return MLP(spec)
+    m = spec.moe
+    return SparseMoeBlock(spec.hidden_size, m.num_experts, m.top_k, m.intermediate_size, m.renormalize,
+                          round_weights=spec.arch == "Qwen3MoeForCausalLM")
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, max_position: int, qkv_bias: bool):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, max_position, qkv_bias)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(spec, layer, rotary)
+        self.mlp = make_mlp(spec, layer)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, positions, x, residual):
         x, residual = self.input_layernorm(x, residual)
@@ -69,16 +88,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg, max_position: int, qkv_bias: bool):
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, max_position: int, layer_cls):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, max_position, qkv_bias) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma scales the embeddings by sqrt(hidden), rounded to the weight dtype as transformers does
+        self.embed_scale = spec.hidden_size ** 0.5 if spec.gemma_norms else None
+        ropes = {}  # one cos/sin cache per distinct rope, shared by its layers
+        for r in set(spec.layer_ropes):
+            ropes[r] = RotaryEmbedding(spec.head_dim, r.rotary_dim, max_position, r.theta,
+                                       dict(r.scaling) if r.scaling else None)
+        self.layers = nn.ModuleList(layer_cls(spec, i, ropes[spec.layer_ropes[i]]) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.gemma_norms)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # sqrt(hidden) rounded to the weight dtype, as transformers; a Python
+            # scalar, not a tensor made per step (a host-to-device copy CUDA graph capture refuses)
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -87,18 +115,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # HF checkpoint names of projections that are merged here: name -> (merged module, slice index)
-    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    layer_cls = LlamaDecoderLayer
 
     def __init__(self, cfg, max_position: int):
         super().__init__()
-        arch = (cfg.architectures or ["LlamaForCausalLM"])[0]
-        qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False))
-        self.config = cfg
-        self.model = LlamaModel(cfg, max_position, qkv_bias)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        spec = ModelSpec.from_hf_config(cfg)
+        self.config, self.spec = cfg, spec
+        self.model = DecoderModel(spec, max_position, self.layer_cls)
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.set_tied(self.tie_word_embeddings)
 
@@ -115,16 +140,28 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.spec.final_softcap
+        if cap is not None:  # Gemma 2: in the model dtype, as transformers
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
-    def lora_modules(self) -> dict[tuple[int, str], LoRALinear]:
-        """(layer index, group name) -> the fused linear that adapters of that group apply to."""
-        out = {}
+    def lora_modules(self) -> dict[tuple[int, str], nn.Module]:
+        """(layer index, group name) -> the module that adapters of that group apply to: a fused LoRALinear, or
+        the ExpertLoRA holder of a MoE layer's experts. Groups a layer lacks (no dense MLP) are absent."""
+        out: dict[tuple[int, str], nn.Module] = {}
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            out.update({(i, "qkv_proj"): attn.qkv_proj, (i, "o_proj"): attn.o_proj,
-                        (i, "gate_up_proj"): mlp.gate_up_proj, (i, "down_proj"): mlp.down_proj})
+            out.update({(i, "qkv_proj"): attn.qkv_proj, (i, "o_proj"): attn.o_proj})
+            if isinstance(mlp, MLP):
+                out.update({(i, "gate_up_proj"): mlp.gate_up_proj, (i, "down_proj"): mlp.down_proj})
+            else:
+                out.update({(i, "experts_gate_up"): mlp.experts.lora_gate_up,
+                            (i, "experts_down"): mlp.experts.lora_down})
         return out
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+
+__all__ = ["Attention", "DecoderModel", "ExpertLoRA", "LlamaDecoderLayer", "LlamaForCausalLM", "MLP"]

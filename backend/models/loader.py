@@ -4,12 +4,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from loom.layers.rotary import RotaryEmbedding
+from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
+from loom.models.spec import ModelSpec
 
 log = logging.getLogger("loom")
 
@@ -17,6 +21,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
@@ -34,6 +44,7 @@ def load_hf_config(model_dir: str):
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"architecture {archs or '(none)'} in {model_dir}/config.json is not supported; "
                              f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    ModelSpec.from_hf_config(cfg)  # refuses, naming the field, anything loom does not compute
     return cfg
 
 
@@ -67,48 +78,40 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position)
-    # Materialise on the target device in the target dtype; buffers (rope cache) stay float32.
-    model = model.to_empty(device=device)
+    # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
+    # weights at the peak); the rope caches are rebuilt below in float32.
+    model = model.to(dtype=dtype).to_empty(device=device)
     for m in model.modules():
-        for name, p in list(m.named_parameters(recurse=False)):
-            p.data = p.data.to(dtype)
-    _rebuild_buffers(model, cfg, max_position, device)
+        if isinstance(m, RotaryEmbedding):  # non-persistent buffers are lost by to_empty()
+            m.rebuild(device)
     # A tied config whose checkpoint still carries its own lm_head.weight: transformers ties the two only if
     # they are equal, else it keeps both (and warns). Load both, then decide the same way.
     tied_with_head = model.tie_word_embeddings and any(_has_tensor(f, "lm_head.weight") for f in files)
     model.set_tied(model.tie_word_embeddings and not tied_with_head)
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    # which leading-dim rows (or [expert, row] pairs) of each parameter the checkpoint has filled
+    covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                target, slice_idx = _map_name(name, model.stacked_params)
-                if target not in params:
+                target, index = _place(model, params, name)
+                if target is None:
                     raise ModelLoadError(f"{path}: tensor {name!r} has no place in {cfg.architectures[0]}")
-                tensor = f.get_tensor(name).to(dtype)
-                if slice_idx is None:
-                    p = params[target]
-                    if p.shape != tensor.shape:
-                        raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {tuple(p.shape)}")
-                    p.data.copy_(tensor)
-                else:
-                    module = model.get_submodule(target.rsplit(".", 1)[0])
-                    if target.endswith(".bias"):
-                        lo, hi = module.slice_offsets[slice_idx], module.slice_offsets[slice_idx + 1]
-                        module.bias.data[lo:hi].copy_(tensor)
-                    else:
-                        try:
-                            module.load_slice(slice_idx, tensor)
-                        except ValueError as e:
-                            raise ModelLoadError(f"{name}: {e}") from None
-                loaded.add(f"{target}#{slice_idx}")
-    expected = _expected_keys(model)
-    missing = sorted(expected - loaded)
+                tensor = f.get_tensor(name)
+                dst = params[target].data[index]
+                if dst.shape != tensor.shape:
+                    raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
+                                         f"{tuple(dst.shape)}")
+                dst.copy_(tensor)  # cast on the way (a float32 checkpoint into bf16: per tensor)
+                covered[target][index[:covered[target].dim()]] = True
+    missing = sorted(n for n, c in covered.items() if not bool(c.all())
+                     and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:
-        raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {missing[:8]}{more}")
     if tied_with_head:
         if torch.equal(model.lm_head.weight, model.model.embed_tokens.weight):
             model.set_tied(True)
@@ -124,35 +127,41 @@ def _has_tensor(path: str, name: str) -> bool:
         return name in f.keys()
 
 
-def _map_name(name: str, stacked: dict) -> tuple[str, int | None]:
-    for hf, (merged, idx) in stacked.items():
-        if f".{hf}." in name:
-            return name.replace(f".{hf}.", f".{merged}."), idx
-    return name, None
+# checkpoint names -> ours: Mixtral's legacy block name, one expert's projection, one slice of a fused linear
+_MIXTRAL_BLOCK = re.compile(r"\.block_sparse_moe\.")
+_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_SLICES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_SLICE = re.compile(r"^(?P<pre>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 
 
-def _expected_keys(model) -> set[str]:
-    keys = set()
-    for name, module in model.named_modules():
-        n_slices = len(getattr(module, "output_sizes", [])) if hasattr(module, "slice_offsets") else 0
-        for pname, _ in module.named_parameters(recurse=False):
-            full = f"{name}.{pname}" if name else pname
-            if full == "lm_head.weight" and model.tie_word_embeddings:
-                continue
-            if n_slices > 1:
-                keys.update(f"{full}#{i}" for i in range(n_slices))
-            else:
-                keys.add(f"{full}#None")
-    return keys
+def _place(model, params: dict, name: str) -> tuple[str | None, tuple]:
+    """(our parameter name, index into it) for a checkpoint tensor, or (None, ()) if it has no place.
 
-
-def _rebuild_buffers(model, cfg, max_position: int, device) -> None:
-    """Non-persistent buffers are lost by to_empty(); recompute them on the device."""
-    from loom.layers.rotary import RotaryEmbedding, rope_parameters
-
-    theta, scaling = rope_parameters(cfg)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            head_dim = m.cos_sin_cache.shape[-1]
-            fresh = RotaryEmbedding(head_dim, max_position, theta, scaling)
-            m.cos_sin_cache = fresh.cos_sin_cache.to(device)
+    Phi-3's fused qkv_proj / gate_up_proj tensors have our layout (q|k|v rows, gate|up rows) and load whole; split
+    q/k/v and gate/up tensors fill their slice; per-expert tensors (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj)
+    fill one expert's rows of the stacked experts.gate_up_proj / down_proj, which transformers 5 files also hold
+    whole."""
+    name = _MIXTRAL_BLOCK.sub(".mlp.", name)
+    m = _EXPERT.match(name)
+    if m:
+        experts_name = m.group("pre")
+        if f"{experts_name}.gate_up_proj" not in params:
+            return None, ()
+        e, proj = int(m.group("e")), m.group("proj")
+        size = model.get_submodule(experts_name).intermediate_size
+        if proj in ("w2", "down_proj"):
+            return f"{experts_name}.down_proj", (e,)
+        half = 0 if proj in ("w1", "gate_proj") else 1
+        return f"{experts_name}.gate_up_proj", (e, slice(half * size, (half + 1) * size))
+    if name in params:
+        return name, (slice(None),)
+    m = _SLICE.match(name)
+    if m:
+        fused, i = _SLICES[m.group("proj")]
+        module_name = f"{m.group('pre')}.{fused}"
+        target = f"{module_name}.{m.group('kind')}"
+        if target in params:
+            offs = model.get_submodule(module_name).slice_offsets
+            return target, (slice(offs[i], offs[i + 1]),)
+    return None, ()

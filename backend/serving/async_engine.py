@@ -7,6 +7,11 @@ stats) therefore runs in the loop thread between steps; other threads only hand 
 glue puts deltas into an `Outbox`, and `ResponseStreamer` threads send them, merging whatever piled up
 while a send was in flight into one response (a send costs ~0.3 ms of server time, a step can make
 hundreds of tokens).
+
+A request with n > 1 completions produces one delta stream per completion (`RequestDelta.index`); the request
+is finished when all n are. Health: a sticky device error reported by the engine, too many failed steps in a
+row, or the loop thread dying make the engine unhealthy for good: in-flight requests fail, new ones are refused
+(UNAVAILABLE), and `on_unhealthy` tells the Triton glue (which stops reporting the model ready).
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from loom.device import bind_thread
 from loom.engine.detokenizer import IncrementalDetokenizer
+from loom.engine.faults import is_sticky_device_error
 from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
 from loom.engine.sampling_params import SamplingParams
 from loom.errors import RequestError
@@ -28,26 +35,32 @@ log = logging.getLogger("loom.async_engine")
 
 @dataclass
 class RequestDelta:
-    """What one request produced since the last delta (or, merged, since the last send)."""
+    """What one completion of a request produced since the last delta (or, merged, since the last send)."""
     request_id: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finished: bool = False  # the whole request is finished (every completion)
+    finish_reason: str | None = None  # this completion's, once it ended: stop | length | abort
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # total so far (the delta's own count is len(token_ids))
     cumulative_logprob: float = 0.0
     error: str | None = None  # "field: message" when the request failed
     error_kind: str | None = None  # invalid | unavailable | cancelled | timeout | internal
+    index: int = 0  # which of the request's n completions
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the request's first token
 
     def merge(self, later: "RequestDelta") -> None:
         self.text += later.text
         self.token_ids.extend(later.token_ids)
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
-        for name in ("finished", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.finish_reason is not None or self.finish_reason is None:
+            self.finish_reason = later.finish_reason
+        for name in ("finished", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
                      "cumulative_logprob", "error", "error_kind"):
             setattr(self, name, getattr(later, name))
 
@@ -60,13 +73,15 @@ class RequestTiming:
     first_token: float | None
     finished: float
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # over all n completions
     finish_reason: str | None
     error_kind: str | None
+    n: int = 1
 
 
 class Observer(Protocol):
-    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int) -> None: ...
+    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int,
+                inter_token_latencies: list[float] = ...) -> None: ...
     def on_request_finished(self, timing: RequestTiming) -> None: ...
 
 
@@ -92,21 +107,28 @@ class _Req:
     deadline: float | None
     timeout_s: float | None
     arrival: float
-    detok: Any = None
+    detoks: list = field(default_factory=list)  # one incremental detokenizer per completion
     first_token: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_output: int = 0
-    cumulative_logprob: float = 0.0
+    num_output: list[int] = field(default_factory=list)  # per completion
+    cumulative: list[float] = field(default_factory=list)  # per completion
+    last_token: list[float | None] = field(default_factory=list)  # per completion: when its latest token came
+    done: dict[int, str | None] = field(default_factory=dict)  # finished completions -> finish reason
 
 
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue_size: int = 1024, default_timeout_s: float | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, max_failed_steps: int = 16,
+                 on_unhealthy: Callable[[str], None] | None = None):
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.default_timeout_s = default_timeout_s
         self.observer = observer
+        self.max_failed_steps = max_failed_steps  # failed steps in a row that make the engine unhealthy (0: never)
+        self.on_unhealthy = on_unhealthy
+        self._unhealthy: str | None = None
+        self._itl: list[float] = []  # inter-token latencies since the last report (loop thread)
         self._cond = threading.Condition()
         self._inbox: list[_Req] = []
         self._aborts: list[str] = []
@@ -136,6 +158,10 @@ class AsyncEngine:
         with self._cond:
             if self._stopping:
                 raise RequestError("server", "the model is shutting down; retry on another instance")
+            reason = self.health()
+            if reason is not None:
+                raise RequestError("server", f"the model is unavailable: its engine is unhealthy ({reason}); "
+                                   "retry on another instance")
             if request_id in self._ids:
                 raise RequestError("request_id", f"{request_id!r} is already in flight")
             if self._unstarted >= self.max_queue_size:
@@ -200,9 +226,47 @@ class AsyncEngine:
         """Whether the loop thread still runs (after shutdown(): a step outlived the timeout)."""
         return self._thread.is_alive()
 
+    def health(self) -> str | None:
+        """None while the engine can serve; else why not (for good: a restart is the cure)."""
+        if self._unhealthy is not None:
+            return self._unhealthy
+        if not self._thread.is_alive() and not self._stopping:
+            return "the engine loop thread died"
+        return None
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        """Fail what is in flight and tell the glue, once."""
+        if self._unhealthy is not None:
+            return
+        self._unhealthy = reason
+        log.error("the engine is unhealthy and will not serve again: %s", reason)
+        msg = f"server: the model is unavailable: its engine is unhealthy ({reason}); retry on another instance"
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for r in inbox:
+            self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort", error=msg,
+                                         error_kind="unavailable"))
+        for r in list(self._reqs.values()):
+            self._engine_abort(r.request_id)
+            self._fail(r, "unavailable", msg)
+        if self.on_unhealthy is not None:
+            try:
+                self.on_unhealthy(reason)
+            except Exception:
+                log.error("on_unhealthy failed:\n%s", traceback.format_exc())
+
     # ------------------------------------------------------------ loop thread
 
     def _run(self) -> None:
+        try:
+            bind_thread(getattr(getattr(self.engine, "runner", None), "device", None))  # Triton's current device
+            self._loop()
+        except BaseException as e:  # only what the loop's own guard does not catch (SystemExit, ...)
+            if not self._stopping:
+                self._mark_unhealthy(f"the engine loop thread died: {type(e).__name__}: {e}")
+            raise
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._inbox or self._aborts or self._calls or self._stopping or self._reqs
@@ -223,7 +287,11 @@ class AsyncEngine:
                 for req in inbox:
                     self._add(req)
                 self._poll(time.monotonic())
-                if self._engine_busy():
+                if self._unhealthy is not None:
+                    for r in list(self._reqs.values()):  # raced in after the engine broke
+                        self._fail(r, "unavailable", f"server: the model is unavailable: its engine is unhealthy "
+                                                     f"({self._unhealthy})")
+                elif self._engine_busy():
                     self._step()
                 elif self._reqs:
                     # The engine lost requests we still track: fail them instead of spinning.
@@ -255,7 +323,9 @@ class AsyncEngine:
 
     def _add(self, r: _Req) -> None:
         try:
-            r.detok = IncrementalDetokenizer(self.engine.tokenizer, r.prompt_token_ids, r.params)
+            n = r.params.n
+            r.detoks = [IncrementalDetokenizer(self.engine.tokenizer, r.prompt_token_ids, r.params) for _ in range(n)]
+            r.num_output, r.cumulative, r.last_token = [0] * n, [0.0] * n, [None] * n
             self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.lora_name)
         except RequestError as e:
             self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort", error=str(e),
@@ -267,7 +337,7 @@ class AsyncEngine:
                                          error=f"engine: add_request failed: {type(e).__name__}: {e}",
                                          error_kind="internal"))
             return
-        r.num_prompt_tokens = len(r.prompt_token_ids)
+        r.num_prompt_tokens = len(r.prompt_token_ids)  # until the engine reports it (after truncation)
         self._reqs[r.request_id] = r
 
     def _abort(self, rid: str, inbox: list[_Req]) -> None:
@@ -282,9 +352,12 @@ class AsyncEngine:
                 self._finish(q, RequestDelta(rid, finished=True, finish_reason="abort"))
                 return
 
-    def _engine_abort(self, rid: str) -> None:
+    def _engine_abort(self, rid: str, index: int | None = None) -> None:
         try:
-            self.engine.abort_request(rid)
+            if index is None:
+                self.engine.abort_request(rid)
+            else:
+                self.engine.abort_request(rid, index=index)
         except Exception:
             log.error("abort_request(%s) failed:\n%s", rid, traceback.format_exc())
 
@@ -317,8 +390,13 @@ class AsyncEngine:
         self._consecutive_errors = 0
         for o in outputs:
             r = self._reqs.get(o.request_id)
-            if r is not None:  # None: aborted by us already, its "abort" echo is ignored
+            if r is not None and o.index not in r.done:  # else aborted by us already: its echo is ignored
                 self._on_output(r, o)
+        fatal = getattr(self.engine, "fatal_error", None)  # a sticky device error: every later step would fail
+        if fatal:
+            self._mark_unhealthy(fatal)
+        elif self.max_failed_steps and getattr(self.engine, "failed_steps_in_a_row", 0) >= self.max_failed_steps:
+            self._mark_unhealthy(f"{self.engine.failed_steps_in_a_row} engine steps in a row failed")
 
     def _on_step_error(self, e: Exception) -> None:
         """Fail the requests of the failed step with the cause and keep serving the rest."""
@@ -330,42 +408,61 @@ class AsyncEngine:
         for r in victims:
             self._engine_abort(r.request_id)
             self._fail(r, "internal", f"engine: step failed: {type(e).__name__}: {e}")
+        if is_sticky_device_error(e):
+            self._mark_unhealthy(f"sticky device error: {type(e).__name__}: {e}")
+            return
+        if self.max_failed_steps and self._consecutive_errors >= self.max_failed_steps:
+            self._mark_unhealthy(f"{self._consecutive_errors} engine steps in a row failed (last: "
+                                 f"{type(e).__name__}: {e})")
+            return
         time.sleep(min(0.001 * 2 ** self._consecutive_errors, 1.0))  # a broken engine must not spin a core
 
     def _on_output(self, r: _Req, o: StepOutput) -> None:
         now = time.monotonic()
         if o.finish_reason == "error" or o.error:
+            self._engine_abort(r.request_id)  # its other completions, if any
             self._fail(r, "internal", o.error or "engine: the request failed")
             return
+        i = o.index
         r.num_prompt_tokens, r.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
         if o.new_token_ids and r.first_token is None:  # prefill done: count the prompt once
             r.first_token = now
             self._prompt_tokens_pending += o.num_prompt_tokens
             with self._cond:
                 self._unstarted -= 1
-        r.num_output += len(o.new_token_ids)
-        r.cumulative_logprob = o.cumulative_logprob
+        if o.new_token_ids and self.observer is not None:
+            last = r.last_token[i]
+            if last is not None:  # vLLM's inter-token latency: one observation per token after the first
+                self._itl.extend([(now - last) / len(o.new_token_ids)] * len(o.new_token_ids))
+            elif len(o.new_token_ids) > 1:
+                self._itl.extend([0.0] * (len(o.new_token_ids) - 1))
+            r.last_token[i] = now
+        r.num_output[i] += len(o.new_token_ids)
+        r.cumulative[i] = o.cumulative_logprob
         self._gen_tokens_pending += len(o.new_token_ids)
         try:
-            u = r.detok.update(o.new_token_ids, o.finished, o.finish_reason)
+            u = r.detoks[i].update(o.new_token_ids, o.finished, o.finish_reason)
         except Exception as e:
             log.error("detokenizer failed:\n%s", traceback.format_exc())
-            if not o.finished:
-                self._engine_abort(r.request_id)
+            self._engine_abort(r.request_id)
             self._fail(r, "internal", f"detokenizer: {type(e).__name__}: {e}")
             return
         if u.abort_engine:
-            self._engine_abort(r.request_id)
-        delta = self._delta(r, text=u.text, token_ids=list(o.new_token_ids), logprobs=o.new_logprobs,
-                            finished=u.finished, finish_reason=u.finish_reason)
+            self._engine_abort(r.request_id, i)
         if u.finished:
+            r.done[i] = u.finish_reason
+        delta = self._delta(r, i, text=u.text, token_ids=list(o.new_token_ids), logprobs=o.new_logprobs,
+                            finished=len(r.done) == r.params.n, finish_reason=u.finish_reason if u.finished else None,
+                            prompt_logprobs=o.prompt_logprobs)
+        if delta.finished:
             self._finish(r, delta)
         else:
             self._emit(r, delta)
 
-    def _delta(self, r: _Req, **kw) -> RequestDelta:
+    def _delta(self, r: _Req, index: int = 0, **kw) -> RequestDelta:
         return RequestDelta(r.request_id, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens,
-                            num_output_tokens=r.num_output, cumulative_logprob=r.cumulative_logprob, **kw)
+                            num_output_tokens=r.num_output[index] if r.num_output else 0,
+                            cumulative_logprob=r.cumulative[index] if r.cumulative else 0.0, index=index, **kw)
 
     def _fail(self, r: _Req, kind: str, message: str) -> None:
         self._finish(r, self._delta(r, finished=True, finish_reason="abort", error=message, error_kind=kind))
@@ -379,8 +476,8 @@ class AsyncEngine:
         if self.observer is not None:
             try:
                 self.observer.on_request_finished(RequestTiming(
-                    r.request_id, r.arrival, r.first_token, time.monotonic(), r.num_prompt_tokens, r.num_output,
-                    delta.finish_reason, delta.error_kind))
+                    r.request_id, r.arrival, r.first_token, time.monotonic(), r.num_prompt_tokens, sum(r.num_output),
+                    delta.finish_reason, delta.error_kind, r.params.n))
             except Exception:
                 log.error("observer failed:\n%s", traceback.format_exc())
         self._emit(r, delta)
@@ -399,10 +496,11 @@ class AsyncEngine:
         with self._cond:
             self._stats = stats
         if self.observer is not None:
-            p, g = self._prompt_tokens_pending, self._gen_tokens_pending
+            p, g, itl = self._prompt_tokens_pending, self._gen_tokens_pending, self._itl
             self._prompt_tokens_pending = self._gen_tokens_pending = 0
+            self._itl = []
             try:
-                self.observer.on_step(stats, p, g)
+                self.observer.on_step(stats, p, g, itl)
             except Exception:
                 log.error("observer failed:\n%s", traceback.format_exc())
 

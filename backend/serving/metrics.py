@@ -1,4 +1,15 @@
-"""loom_* metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
+"""loom_* and vllm:* metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
+
+Two name sets, chosen by config (`metrics`, `vllm_metrics` / vllm_backend's REPORT_CUSTOM_METRICS):
+* loom_*: this project's counters, histograms and gauges;
+* vllm:*: what vllm_backend exports (token counters; TTFT, time per output token observed per token, e2e latency,
+  prompt / generation length and n histograms, with its buckets) plus the model-server-protocol gauges that the
+  Gateway API Inference Extension's endpoint picker reads: vllm:num_requests_waiting / _running,
+  vllm:kv_cache_usage_perc (and the older vllm:gpu_cache_usage_perc), vllm:cache_config_info{block_size,
+  num_gpu_blocks} and vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters} whose value
+  is the time of its last update. That one series is replaced whenever its adapter sets change, so the endpoint
+  shows the current sets only: a MetricFamily keeps every Metric it made until the family itself is deleted, so
+  the family is deleted (taking the old series with it) and made again with the new labels.
 
 `pb_utils` is passed in (only backend/model.py imports triton_python_backend_utils) and the families
 must be created inside `initialize()`. Each metric call is an IPC round trip to the server, so the
@@ -13,6 +24,7 @@ import logging
 import threading
 import time
 import traceback
+from typing import Sequence
 
 from loom.engine.outputs import EngineStats
 from loom.serving.async_engine import RequestTiming
@@ -24,6 +36,11 @@ TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort", "cancelled", "timeout", "error", "rejected")
+# vllm_backend's buckets (src/utils/metrics.py)
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -38,10 +55,15 @@ def buckets_1_2_5(limit: int) -> list[float]:
 
 
 class LoomMetrics:
-    """Implements async_engine.Observer."""
+    """Implements async_engine.Observer. `names`: which sets to export ("loom", "vllm")."""
 
-    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int = 8192, interval_s: float = 0.05):
-        MF = pb_utils.MetricFamily
+    def __init__(self, pb_utils, labels: dict[str, str], max_model_len: int = 8192, interval_s: float = 0.05,
+                 names: Sequence[str] = ("loom",), lora_info_prefix: str = "",
+                 cache_info: dict[str, int] | None = None):
+        MF = self._MF = pb_utils.MetricFamily
+        self.labels = dict(labels)
+        self.loom = "loom" in names
+        self.vllm = "vllm" in names
         # Families must outlive their metrics: a collected family makes every later call fail.
         self._families: list = []
 
@@ -58,41 +80,73 @@ class LoomMetrics:
         def hist(name, desc, buckets):
             return family(name, desc, MF.HISTOGRAM).Metric(labels=labels, buckets=buckets)
 
-        self.prompt_tokens = counter("loom_prompt_tokens_total", "Number of prompt tokens processed (prefill).")
-        self.generation_tokens = counter("loom_generation_tokens_total", "Number of tokens generated.")
-        finished = family("loom_request_finished_total", "Requests finished, by reason.", MF.COUNTER)
-        self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
-        self.ttft = hist("loom_time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
-        self.tpot = hist("loom_time_per_output_token_seconds",
-                         "Mean time per output token after the first, one observation per request.", TPOT_BUCKETS)
-        self.e2e = hist("loom_e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
-        lengths = buckets_1_2_5(max(max_model_len, 1))
-        self.prompt_len = hist("loom_request_prompt_tokens", "Prompt length of finished requests.", lengths)
-        self.gen_len = hist("loom_request_generation_tokens", "Generated tokens of finished requests.", lengths)
-        self.running = gauge("loom_num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("loom_num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_used = gauge("loom_kv_blocks_used", "KV cache blocks in use.")
-        self.kv_total = gauge("loom_kv_blocks_total", "KV cache blocks in the pool.")
-        self.kv_usage = gauge("loom_kv_cache_usage_perc", "KV cache usage, 1 = full.")
-        self.prefix_hit = gauge("loom_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens.")
-        self.adapters = gauge("loom_resident_adapters", "LoRA adapters resident in device memory.")
-        self.preemptions = gauge("loom_num_preemptions", "Preemptions since start.")
+        if self.loom:
+            self.prompt_tokens = counter("loom_prompt_tokens_total", "Number of prompt tokens processed (prefill).")
+            self.generation_tokens = counter("loom_generation_tokens_total", "Number of tokens generated.")
+            finished = family("loom_request_finished_total", "Requests finished, by reason.", MF.COUNTER)
+            self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
+            self.ttft = hist("loom_time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+            self.tpot = hist("loom_time_per_output_token_seconds",
+                             "Mean time per output token after the first, one observation per request.", TPOT_BUCKETS)
+            self.e2e = hist("loom_e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+            lengths = buckets_1_2_5(max(max_model_len, 1))
+            self.prompt_len = hist("loom_request_prompt_tokens", "Prompt length of finished requests.", lengths)
+            self.gen_len = hist("loom_request_generation_tokens", "Generated tokens of finished requests.", lengths)
+            self.running = gauge("loom_num_requests_running", "Requests in the running batch.")
+            self.waiting = gauge("loom_num_requests_waiting", "Requests waiting to be scheduled.")
+            self.kv_used = gauge("loom_kv_blocks_used", "KV cache blocks in use.")
+            self.kv_total = gauge("loom_kv_blocks_total", "KV cache blocks in the pool.")
+            self.kv_usage = gauge("loom_kv_cache_usage_perc", "KV cache usage, 1 = full.")
+            self.prefix_hit = gauge("loom_prefix_cache_hit_rate",
+                                    "Prompt tokens served from the prefix cache / prompt tokens.")
+            self.adapters = gauge("loom_resident_adapters", "LoRA adapters resident in device memory.")
+            self.preemptions = gauge("loom_num_preemptions", "Preemptions since start.")
+        if self.vllm:
+            self.v_prompt = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
+            self.v_gen = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
+            self.v_ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                               VLLM_TTFT_BUCKETS)
+            self.v_tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                               VLLM_TPOT_BUCKETS)
+            self.v_e2e = hist("vllm:e2e_request_latency_seconds",
+                              "Histogram of end to end request latency in seconds.", VLLM_E2E_BUCKETS)
+            lengths = buckets_1_2_5(max(max_model_len, 1))
+            self.v_prompt_len = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths)
+            self.v_gen_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", lengths)
+            self.v_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", VLLM_N_BUCKETS)
+            self.v_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+            self.v_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+            self.v_kv = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+            self.v_gpu_kv = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                                  "(the older name of vllm:kv_cache_usage_perc).")
+            info = {k: str(v) for k, v in (cache_info or {}).items()}
+            self.v_cache_info = family("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                       MF.GAUGE).Metric(labels={**labels, **info})
+            self.v_cache_info.set(1.0)
+            self._lora_family = None
+            self._lora_prefix = lora_info_prefix
+            self._lora_metric = None
+            self._lora_labels: dict[str, str] | None = None
 
         self.interval_s = interval_s
         self._cond = threading.Condition()
         self._stats: EngineStats | None = None
         self._prompt = self._gen = 0
+        self._itl: list[float] = []
         self._done: list[RequestTiming] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="loom-metrics", daemon=True)
         self._thread.start()
 
     # Observer (loop thread): only record, never call into Triton here.
-    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int) -> None:
+    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int,
+                inter_token_latencies: Sequence[float] = ()) -> None:
         with self._cond:
             self._stats = stats
             self._prompt += prompt_tokens
             self._gen += generation_tokens
+            if self.vllm and inter_token_latencies:
+                self._itl.extend(inter_token_latencies)
             self._cond.notify()
 
     def on_request_finished(self, timing: RequestTiming) -> None:
@@ -108,9 +162,13 @@ class LoomMetrics:
                 stats, self._stats = self._stats, None
                 prompt, gen, self._prompt, self._gen = self._prompt, self._gen, 0, 0
                 done, self._done = self._done, []
+                itl, self._itl = self._itl, []
                 stopping = self._stopping
             try:
-                self._apply(stats, prompt, gen, done)
+                if self.loom:
+                    self._apply(stats, prompt, gen, done)
+                if self.vllm:
+                    self._apply_vllm(stats, prompt, gen, done, itl)
             except Exception:
                 log.error("metrics update failed:\n%s", traceback.format_exc())
             if stopping:
@@ -146,13 +204,59 @@ class LoomMetrics:
             self.adapters.set(float(stats.resident_adapters))
             self.preemptions.set(float(stats.num_preemptions))
 
+    def _apply_vllm(self, stats: EngineStats | None, prompt: int, gen: int, done: list[RequestTiming],
+                    itl: list[float]) -> None:
+        if prompt > 0:
+            self.v_prompt.increment(prompt)
+        if gen > 0:
+            self.v_gen.increment(gen)
+        for x in itl:
+            self.v_tpot.observe(max(0.0, x))
+        for t in done:
+            if t.error_kind == "invalid":  # refused before it ran
+                continue
+            self.v_e2e.observe(max(0.0, t.finished - t.arrival))
+            self.v_prompt_len.observe(float(t.num_prompt_tokens))
+            self.v_gen_len.observe(float(t.num_output_tokens))
+            self.v_n.observe(float(t.n))
+            if t.first_token is not None:
+                self.v_ttft.observe(max(0.0, t.first_token - t.arrival))
+        if stats is not None:
+            self.v_running.set(float(stats.num_running))
+            self.v_waiting.set(float(stats.num_waiting))
+            usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+            self.v_kv.set(usage)
+            self.v_gpu_kv.set(usage)
+            if stats.max_loras > 0:
+                self._set_lora_info(stats)
+
+    def _set_lora_info(self, stats: EngineStats) -> None:
+        """One series whose labels are the current adapter sets; value: when it was last updated."""
+        def names(counts: dict[str, int]) -> str:
+            return ",".join(self._lora_prefix + n for n in sorted(counts))
+
+        labels = {**self.labels, "max_lora": str(stats.max_loras),
+                  "running_lora_adapters": names(stats.running_adapters),
+                  "waiting_lora_adapters": names(stats.waiting_adapters)}
+        if labels != self._lora_labels:
+            if self._lora_family is not None:  # drop the old series: the family's deletion clears its metrics
+                self._families.remove(self._lora_family)
+                self._lora_metric = self._lora_family = None
+            MF = self._MF
+            self._lora_family = MF(name="vllm:lora_requests_info", description="Running stats on lora requests.",
+                                   kind=MF.GAUGE)
+            self._families.append(self._lora_family)
+            self._lora_metric = self._lora_family.Metric(labels=labels)
+            self._lora_labels = labels
+        self._lora_metric.set(time.time())
+
     def close(self, timeout: float = 2.0) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
         # Metric objects must go before their families (the server refuses the other order).
-        for name in [k for k, v in vars(self).items() if k not in ("_families", "_thread", "_cond")
-                     and (hasattr(v, "increment") or isinstance(v, dict))]:
+        for name in [k for k, v in vars(self).items() if k not in ("_families", "_thread", "_cond", "labels")
+                     and (hasattr(v, "increment") or isinstance(v, dict) and k == "finished")]:
             delattr(self, name)
         self._families.clear()

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from loom.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams
+from loom.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams
+from loom.engine.structured_output import StructuredOutputsParams
 from loom.errors import RequestError
 
 # Our SamplingParams field -> converter kind. Names follow vllm's SamplingParams.
@@ -25,18 +26,21 @@ _FIELD_KINDS: dict[str, str] = {
     "min_p": "float", "repetition_penalty": "float", "presence_penalty": "float",
     "frequency_penalty": "float", "seed": "int", "stop": "str_list", "stop_token_ids": "int_list",
     "ignore_eos": "bool", "logprobs": "int", "include_stop_str_in_output": "bool",
-    "skip_special_tokens": "bool",
+    "skip_special_tokens": "bool", "n": "int", "logit_bias": "bias", "allowed_token_ids": "int_list",
+    "bad_words": "str_list", "truncate_prompt_tokens": "int", "spaces_between_special_tokens": "bool",
+    "prompt_logprobs": "int", "structured_outputs": "structured",
 }
+# Older names: guided_decoding is what structured_outputs was called before vLLM 0.10.2 (same fields).
+_ALIASES = {"guided_decoding": "structured_outputs"}
 # vllm parameters we accept only at their default value (so a client asking for more is told, not ignored).
 _ONLY_DEFAULT: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "n": ("int", (1,)),
     "best_of": ("int", (1,)),
     "use_beam_search": ("bool", (False,)),
-    "prompt_logprobs": ("int", ()),  # only null (dropped before this check)
     "detokenize": ("bool", (True,)),
 }
-# Keys that are not sampling parameters but may travel with them.
-_EXTRA_KEYS = {"lora_name", "request_timeout_s"}
+# Keys that are not sampling parameters but may travel with them. top_logprobs: OpenAI chat's count, sent with
+# "logprobs": true by Triton's OpenAI frontend.
+_EXTRA_KEYS = {"lora_name", "request_timeout_s", "top_logprobs"}
 # Request parameters set by clients or the server itself rather than by the user: ignored.
 _RESERVED_PARAMS = {"priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
                     "binary_data_output", "headers"}
@@ -65,6 +69,7 @@ class Limits:
     max_stop_chars: int = MAX_STOP_STRING_CHARS  # characters per stop string
     max_parameters_bytes: int = 1 << 16  # the sampling_parameters JSON, and the request parameters' JSON
     max_prompt_tokens: int = 0  # input_ids length (0 = only the engine's check); set from the engine
+    max_n: int = 16  # completions per request (n)
 
 
 @dataclass
@@ -213,7 +218,23 @@ def to_int_list(name: str, v: Any) -> list[int]:
     raise RequestError(name, f"must be a list of integers, got {v!r}")
 
 
-_CONVERT = {"int": to_int, "float": to_float, "bool": to_bool, "str_list": to_str_list, "int_list": to_int_list}
+def to_bias(name: str, v: Any) -> dict:
+    """{token id: bias}; Triton request parameters carry it as JSON text."""
+    if isinstance(v, str):
+        v = parse_json(name, v)
+    if not isinstance(v, dict):
+        raise RequestError(name, f'must be an object mapping token ids to biases, such as {{"50256": -100}}, got {v!r}')
+    return {k: to_float(name, x) for k, x in v.items()}
+
+
+def to_structured(name: str, v: Any) -> StructuredOutputsParams:
+    if isinstance(v, str):
+        _check_depth(name, v)
+    return StructuredOutputsParams.parse(v, name)
+
+
+_CONVERT = {"int": to_int, "float": to_float, "bool": to_bool, "str_list": to_str_list, "int_list": to_int_list,
+            "bias": to_bias, "structured": to_structured}
 
 
 # ---------------------------------------------------------------- parameters
@@ -265,11 +286,22 @@ def build_sampling_params(raw: dict[str, Any], limits: Limits) -> tuple[Sampling
     kwargs: dict[str, Any] = {}
     lora_name: str | None = None
     timeout: float | None = None
-    allowed = sorted(set(_FIELD_KINDS) | set(_ONLY_DEFAULT) | _EXTRA_KEYS)
+    allowed = sorted(set(_FIELD_KINDS) | set(_ONLY_DEFAULT) | _EXTRA_KEYS | set(_ALIASES))
+    top_logprobs = None
+    chat_logprobs = False
     for key, value in raw.items():
         if value is None:  # vllm_backend drops nulls so the defaults apply
             continue
-        if key == "lora_name":
+        if key in _ALIASES:
+            if _ALIASES[key] in raw and raw[_ALIASES[key]] is not None:
+                raise RequestError(key, f"give either {key} or {_ALIASES[key]}, not both")
+            kwargs[_ALIASES[key]] = _CONVERT[_FIELD_KINDS[_ALIASES[key]]](key, value)
+        elif key == "top_logprobs":
+            top_logprobs = to_int(key, value)
+        elif key == "logprobs" and (isinstance(value, bool) or str(value).strip().lower() in ("true", "false")):
+            # OpenAI chat sends a boolean: false = none, true = the top_logprobs count (Triton's OpenAI frontend)
+            chat_logprobs = to_bool(key, value)
+        elif key == "lora_name":
             if not isinstance(value, str):
                 raise RequestError("lora_name", f"must be a string, got {value!r}")
             lora_name = value.strip() or None
@@ -288,6 +320,13 @@ def build_sampling_params(raw: dict[str, Any], limits: Limits) -> tuple[Sampling
             kwargs[key] = _CONVERT[_FIELD_KINDS[key]](key, value)
         else:
             raise RequestError(key, f"unknown sampling parameter; allowed: {', '.join(allowed)}")
+    if chat_logprobs:
+        kwargs["logprobs"] = top_logprobs or 0
+    if kwargs.get("seed") == -1:  # vLLM: -1 means no seed
+        kwargs.pop("seed")
+    if kwargs.get("n", 1) > min(limits.max_n, MAX_N):
+        raise RequestError("n", f"must be an integer in [1, {min(limits.max_n, MAX_N)}] on this server (max_n), "
+                           f"got {kwargs['n']!r}")
     for key in ("stop", "stop_token_ids"):
         if len(kwargs.get(key, ())) > limits.max_stop_items:
             raise RequestError(key, f"has {len(kwargs[key])} entries; at most {limits.max_stop_items} are allowed "
@@ -326,6 +365,10 @@ def _optional_bool(inputs: Mapping[str, Any], name: str) -> bool | None:
 def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, limits: Limits | None = None) -> ParsedRequest:
     """`inputs`: input name -> numpy array as received (absent inputs missing or None)."""
     limits = limits or Limits()
+    sp = inputs.get("sampling_parameters")
+    sp_raw = None if sp is None else _scalar("sampling_parameters", sp)
+    merged = load_parameters(sp_raw, request_parameters, limits.max_parameters_bytes)
+    params, lora_name, timeout = build_sampling_params(merged, limits)
     text_arr, ids_arr = inputs.get("text_input"), inputs.get("input_ids")
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -334,6 +377,10 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
     if ids_arr is not None:
         if getattr(ids_arr, "dtype", None) is None or ids_arr.dtype.kind not in "iu":
             raise RequestError("input_ids", "must be an integer tensor (INT32 or INT64)")
+        if params.truncate_prompt_tokens is not None:  # keep the last k (-1: as many as allowed) before converting
+            k = params.truncate_prompt_tokens if params.truncate_prompt_tokens > 0 else limits.max_prompt_tokens
+            if k:
+                ids_arr = ids_arr.reshape(-1)[-k:]
         if limits.max_prompt_tokens and ids_arr.size > limits.max_prompt_tokens:
             raise RequestError("input_ids", f"has {ids_arr.size} tokens; the limit is {limits.max_prompt_tokens}")
         prompt_ids = [int(x) for x in ids_arr.reshape(-1)]
@@ -364,11 +411,6 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
         raise RequestError("exclude_input_in_output", "false is not allowed when streaming (the prompt is never streamed)")
     # vllm_backend: the prompt is prepended to non-streamed output unless excluded.
     exclude_input = True if stream else bool(exclude)
-
-    sp = inputs.get("sampling_parameters")
-    sp_raw = None if sp is None else _scalar("sampling_parameters", sp)
-    merged = load_parameters(sp_raw, request_parameters, limits.max_parameters_bytes)
-    params, lora_name, timeout = build_sampling_params(merged, limits)
 
     returns = ReturnFlags(**{f: bool(_optional_bool(inputs, "return_" + f)) for f in ReturnFlags.__dataclass_fields__})
     return ParsedRequest(prompt, prompt_ids, stream, exclude_input, params, lora_name, timeout, returns)

@@ -4,6 +4,7 @@ A Triton `send()` costs ~0.3 ms of server time while one engine step can produce
 requests: sending one response per token per request would cap throughput. So the engine loop only
 merges each delta into its request's outbox, and a sender thread sends whatever is there as one
 response; at most one send per request is in flight, which keeps each request's responses in order.
+A request with n completions keeps one pending delta per completion; a send gets them all (by index).
 """
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ log = logging.getLogger("loom.response_streamer")
 
 class Outbox:
     """One request's not-yet-sent output. Guarded by the streamer's lock."""
-    __slots__ = ("ctx", "stream", "pending", "queued", "in_flight")
+    __slots__ = ("ctx", "stream", "pending", "finished", "queued", "in_flight")
 
     def __init__(self, ctx: Any, stream: bool):
         self.ctx, self.stream = ctx, stream
-        self.pending: RequestDelta | None = None
+        self.pending: dict[int, RequestDelta] = {}  # completion index -> what it produced since the last send
+        self.finished = False
         self.queued = self.in_flight = False
 
     def ready(self) -> bool:
-        return self.pending is not None and (self.stream or self.pending.finished)
+        return bool(self.pending) and (self.stream or self.finished)
 
 
 class ResponseStreamer:
@@ -36,7 +38,7 @@ class ResponseStreamer:
     order), and everything produced meanwhile goes out merged as one response. Non-streaming requests
     are sent once, when finished."""
 
-    def __init__(self, send: Callable[[Any, RequestDelta], None], num_threads: int = 1):
+    def __init__(self, send: Callable[[Any, list[RequestDelta]], None], num_threads: int = 1):
         self._send = send
         self._cond = threading.Condition()
         self._queue: collections.deque[Outbox] = collections.deque()
@@ -48,15 +50,17 @@ class ResponseStreamer:
             t.start()
 
     def open(self, ctx: Any, stream: bool) -> Callable[[RequestDelta], None]:
-        """An `on_output` callback for one request; `ctx` is handed back to `send`."""
+        """An `on_output` callback for one request; `ctx` is handed back to `send` with the pending deltas."""
         ob = Outbox(ctx, stream)
 
         def on_output(delta: RequestDelta) -> None:
             with self._cond:
-                if ob.pending is None:
-                    ob.pending = delta
+                have = ob.pending.get(delta.index)
+                if have is None:
+                    ob.pending[delta.index] = delta
                 else:
-                    ob.pending.merge(delta)
+                    have.merge(delta)
+                ob.finished = ob.finished or delta.finished
                 if ob.ready() and not ob.queued and not ob.in_flight:
                     ob.queued = True
                     self._queue.append(ob)
@@ -72,9 +76,13 @@ class ResponseStreamer:
                     return
                 ob = self._queue.popleft()
                 ob.queued, ob.in_flight = False, True
-                delta, ob.pending = ob.pending, None
+                deltas = [ob.pending[i] for i in sorted(ob.pending)]
+                ob.pending = {}
+                if ob.finished:  # the final send says so on every delta it carries
+                    for d in deltas:
+                        d.finished = True
             try:
-                self._send(ob.ctx, delta)
+                self._send(ob.ctx, deltas)
             except Exception:
                 log.error("sending a response failed:\n%s", traceback.format_exc())
             with self._cond:

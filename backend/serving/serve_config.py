@@ -2,7 +2,9 @@
 
 Every key is typed by the dataclass field it sets; an unknown key or a bad value stops the model load
 with a message naming the key (a typo must not silently fall back to a default). Keys in UPPER_CASE
-belong to Triton or the Python backend (EXECUTION_ENV_PATH, ...) and are left alone.
+belong to Triton or the Python backend (EXECUTION_ENV_PATH, ...) and are left alone, except vllm_backend's two:
+REPORT_CUSTOM_METRICS (= `vllm_metrics`) and ENABLE_VLLM_HEALTH_CHECK (= `health_check`), so a vllm_backend
+config.pbtxt keeps its meaning (given with the loom key too, the values must agree).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 from loom.engine.config import EngineConfig
 from loom.engine.cpu import serving_threads
-from loom.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
+from loom.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
 from loom.errors import ConfigError, RequestError
 from loom.serving.request_parser import Limits, to_bool, to_float, to_int
 
@@ -30,6 +32,11 @@ class ServeOptions:
     shutdown_timeout_s: float = 10.0  # finalize(): how long to wait for the engine loop and the senders
     sender_threads: int = 1
     metrics: bool = True  # loom_* metric families on Triton's metrics port
+    vllm_metrics: bool = False  # vllm:* families as vllm_backend names them, plus the gateway's gauges
+    lora_info_prefix: str = ""  # prepended to adapter names in vllm:lora_requests_info (e.g. "<model>_")
+    health_check: bool = False  # unload the model when its engine breaks (needs --model-control-mode=explicit)
+    max_failed_steps: int = 16  # engine steps failing in a row that make the engine unhealthy (0: never)
+    max_n: int = 16  # completions per request (n)
 
 
 @dataclass
@@ -41,9 +48,11 @@ class ServeConfig:
     def limits(self) -> Limits:
         o = self.options
         return Limits(o.max_tokens_limit, o.max_logprobs, o.max_prompt_chars, o.max_request_timeout_s,
-                      o.max_stop_items, o.max_stop_chars, o.max_parameters_bytes)
+                      o.max_stop_items, o.max_stop_chars, o.max_parameters_bytes, max_n=o.max_n)
 
 
+# vllm_backend's upper-case keys and the loom keys they set.
+VLLM_BACKEND_KEYS = {"REPORT_CUSTOM_METRICS": "vllm_metrics", "ENABLE_VLLM_HEALTH_CHECK": "health_check"}
 _ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
 _OPTION_TYPES = {f.name: f.type for f in fields(ServeOptions)}
 
@@ -86,10 +95,15 @@ def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1)
     `instances`: how many model instances the server runs (they share the cores)."""
     eng_kwargs: dict = {}
     opt_kwargs: dict = {}
+    aliased: dict[str, tuple[str, object]] = {}
     for key, val in (parameters or {}).items():
+        raw = val.get("string_value", "") if isinstance(val, dict) else str(val)
+        if key in VLLM_BACKEND_KEYS:
+            if raw.strip():
+                aliased[VLLM_BACKEND_KEYS[key]] = (key, _convert(key, "bool", raw, model_dir))
+            continue
         if key.isupper():
             continue
-        raw = val.get("string_value", "") if isinstance(val, dict) else str(val)
         if key in _ENGINE_TYPES:
             typ = _ENGINE_TYPES[key]
             if raw.strip() == "" and typ != "str":
@@ -108,6 +122,10 @@ def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1)
     if not eng_kwargs.get("cpu_threads"):
         # Inside a server the engine shares the cores with the server's own threads: never oversubscribe them.
         eng_kwargs["cpu_threads"] = serving_threads(instances)
+    for name, (key, v) in aliased.items():
+        if name in opt_kwargs and opt_kwargs[name] != v:
+            raise ConfigError(key, f"is {v} but {name} is {opt_kwargs[name]}; they are the same switch, set one")
+        opt_kwargs[name] = v
     opts = ServeOptions(**opt_kwargs)
     for name, lo in (("max_queue_size", 1), ("max_logprobs", 0), ("max_prompt_chars", 1), ("sender_threads", 1),
                      ("max_tokens_limit", 0)):
@@ -123,6 +141,10 @@ def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1)
     for name in ("default_request_timeout_s", "max_request_timeout_s"):
         if getattr(opts, name) < 0:
             raise ConfigError(name, f"must be >= 0 seconds, got {getattr(opts, name)}")
+    if not 1 <= opts.max_n <= MAX_N:
+        raise ConfigError("max_n", f"must be in [1, {MAX_N}], got {opts.max_n}")
+    if opts.max_failed_steps < 0:
+        raise ConfigError("max_failed_steps", f"must be >= 0 (0 = never), got {opts.max_failed_steps}")
     if opts.sender_threads > 64:
         raise ConfigError("sender_threads", f"must be in [1, 64], got {opts.sender_threads}")
     return ServeConfig(EngineConfig(**eng_kwargs), opts)

@@ -47,24 +47,39 @@ def poison(*shape, dtype, device):
 # paged KV cache fixtures
 
 
-def make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, spare_blocks=3):
-    """Random K/V for each sequence in shuffled blocks; every slot not holding a token is NaN."""
+def make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, spare_blocks=3, top_of=0):
+    """Random K/V for each sequence in shuffled blocks; every slot not holding a token is NaN.
+
+    top_of > 0: the cache holds at least that many elements per tensor and the sequences' blocks are its
+    highest-numbered ones (offsets past 2^31 elements when top_of is larger: int64 address arithmetic).
+    The values are drawn on `device` (serving-sized caches would take seconds on the host).
+    """
     nblk = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(nblk) + spare_blocks
-    perm = torch.randperm(num_blocks).tolist()  # non-contiguous, shuffled block tables
+    used = sum(nblk) + spare_blocks
+    num_blocks = max(used, math.ceil(top_of / (block_size * kvh * d)))
+    ids = (torch.randperm(used) + (num_blocks - used)).tolist()  # the top `used` ids, shuffled
     width = max(nblk + [1]) + 1  # one padding column more than needed
     bt = torch.zeros((len(seq_lens), width), dtype=torch.int32)
-    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"))
+    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
+    kf, vf = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
     for s, n in enumerate(seq_lens):
-        blocks = [perm.pop() for _ in range(nblk[s])]
-        bt[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        for p in range(n):
-            kc[blocks[p // block_size], p % block_size] = torch.randn(kvh, d)
-            vc[blocks[p // block_size], p % block_size] = torch.randn(kvh, d)
-    to = dict(device=device)
-    return (kc.to(dtype=dtype, **to), vc.to(dtype=dtype, **to), bt.to(**to),
-            torch.tensor(seq_lens, dtype=torch.int32, device=device))
+        blocks = torch.tensor([ids.pop() for _ in range(nblk[s])], dtype=torch.int64)
+        bt[s, :len(blocks)] = blocks.to(torch.int32)
+        pos = torch.arange(n)
+        slots = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
+        kf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
+        vf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
+    return kc, vc, bt.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def compact_cache(kc, vc, bt, seq_lens):
+    """The blocks the tables use, copied into a small cache with renumbered tables: references then run on a
+    float32 copy of what matters instead of converting a cache of billions of elements."""
+    width = max(1, math.ceil(int(seq_lens.max()) / kc.shape[1])) if seq_lens.numel() else 1
+    used = bt[:, :width].long()
+    ids, inv = torch.unique(used, return_inverse=True)
+    return kc[ids], vc[ids], inv.to(torch.int32).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,31 +102,93 @@ def check_store_kv(dtype, device, T=10, kvh=3, d=64, block_size=16, num_blocks=4
     return 0.0
 
 
-def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None):
-    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device)
-    q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device)
+def hide_before_window(kc, bt, first_q_pos, window):
+    """Point every block-table entry wholly before the window of a sequence's first query at an all-NaN block: an
+    implementation that reads such a block (the contract says it must not) returns NaN."""
+    if window is None:
+        return bt
+    used = set(bt.flatten().tolist())
+    nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
+    bt = bt.clone()
+    bs = kc.shape[1]
+    for s, p in enumerate(first_q_pos):
+        n_hidden = max(0, p - window + 1) // bs  # blocks whose every position is < p - window + 1
+        bt[s, :n_hidden] = nan_block
+    return bt
+
+
+def widen_table(kc, bt, width):
+    """The block table at `width` columns, the new ones pointing at an all-NaN block: the engine's persistent
+    tables are as wide as max_model_len and hold stale ids past each sequence's blocks, which are never read."""
+    if width is None or width <= bt.shape[1]:
+        return bt
+    used = set(bt.flatten().tolist())
+    nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
+    wide = torch.full((bt.shape[0], width), nan_block, dtype=bt.dtype, device=bt.device)
+    wide[:, :bt.shape[1]] = bt
+    return wide
+
+
+def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None,
+                 sliding_window=None, softcap=None, top_of=0, table_width=None):
+    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, top_of=top_of)
+    bt = hide_before_window(kc, bt, [n - 1 for n in seq_lens], sliding_window)
+    bt = widen_table(kc, bt, table_width)
+    q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device, scale=3.0 if softcap else 1.0)
     scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     out = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
-    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n)
-    ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n, **opts)
+    kc, vc, bt = compact_cache(kc, vc, bt, sl)
+    ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_decode_attention")
 
 
-def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device):
+def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of=0):
     q_lens = [a for a, _ in q_and_seq_lens]
-    kc, vc, bt, sl = make_paged_cache([b for _, b in q_and_seq_lens], block_size, kvh, d, dtype, device)
+    kc, vc, bt, sl = make_paged_cache([b for _, b in q_and_seq_lens], block_size, kvh, d, dtype, device,
+                                      top_of=top_of)
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
     q = rnd(sum(q_lens), heads, d, dtype=dtype, device=device)
     return q, kc, vc, cu, sl, bt, max(q_lens)
 
 
-def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None):
-    q, kc, vc, cu, sl, bt, max_q = prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device)
+def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None,
+                  sliding_window=None, softcap=None, top_of=0, table_width=None):
+    q, kc, vc, cu, sl, bt, max_q = prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of)
+    bt = hide_before_window(kc, bt, [n - ql for ql, n in q_and_seq_lens], sliding_window)
+    bt = widen_table(kc, bt, table_width)
+    if softcap:
+        q = q * 3.0  # scores well past the cap
     scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap)
     out = poison(*q.shape, dtype=dtype, device=device)
-    paged_prefill_attention_triton(q, kc, vc, cu, sl, bt, max_q, scale, out=out, block_m=block_m, block_n=block_n)
-    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale)
+    paged_prefill_attention_triton(q, kc, vc, cu, sl, bt, max_q, scale, out=out, block_m=block_m, block_n=block_n,
+                                   **opts)
+    kc, vc, bt = compact_cache(kc, vc, bt, sl)
+    ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_prefill_attention")
+
+
+def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1 << 16):
+    """store_kv into the highest slots of a cache of at least top_of elements: every token lands in its slot and
+    nothing else is written (the cache starts NaN, so a stray write shows up in the count of finite elements)."""
+    num_blocks = max(T // block_size + 2, math.ceil(top_of / (block_size * kvh * d)))
+    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
+    vc = torch.full_like(kc, float("nan"))
+    slots = num_blocks * block_size - 1 - torch.randperm(2 * block_size)[:T]  # shuffled, in the top two blocks
+    slots[torch.randperm(T)[:2]] = -1
+    slots = slots.to(device)
+    k, v = rnd(T, kvh, d, dtype=dtype, device=device), rnd(T, kvh, d, dtype=dtype, device=device)
+    kv_store.store_kv_triton(k, v, kc, vc, slots)
+    keep = slots >= 0
+    for cache, src, what in ((kc, k, "k"), (vc, v, "v")):
+        flat = cache.view(-1, kvh, d)
+        assert torch.equal(flat[slots[keep]], src[keep]), f"store_kv {what}: wrong values in the top slots"
+        written = int(torch.isfinite(cache).sum())
+        assert written == int(keep.sum()) * kvh * d, f"store_kv {what}: {written} elements written, " \
+            f"{int(keep.sum()) * kvh * d} expected"
+    return 0.0
 
 
 def check_norm(dtype, device, T=7, n=96, residual=True):
@@ -149,6 +226,12 @@ def check_silu(dtype, device, T=5, inter=100):
     x = rnd(T, 2 * inter, dtype=dtype, device=device)
     return assert_close(activation.silu_and_mul_triton(x).float(), activation.silu_and_mul_ref(x.float()), dtype,
                         "silu_and_mul")
+
+
+def check_gelu_tanh(dtype, device, T=5, inter=100):
+    x = rnd(T, 2 * inter, dtype=dtype, device=device, scale=2.0)
+    return assert_close(activation.gelu_tanh_and_mul_triton(x).float(), activation.gelu_tanh_and_mul_ref(x.float()),
+                        dtype, "gelu_tanh_and_mul")
 
 
 def make_lora_meta(num_tokens, ranks, device, spare_rows=5):
@@ -223,6 +306,18 @@ CASES = {
         dict(seq_lens=[0, 3, 40, 77], heads=9, kvh=3, d=64, block_size=16, num_splits=4, block_n=16),  # split
         dict(seq_lens=[33, 64], heads=8, kvh=2, d=128, block_size=32, num_splits=3, block_n=16),  # split
         dict(seq_lens=[20, 9], heads=4, kvh=2, d=32, block_size=8),  # auto, block size < tile
+        # sliding window: shorter than, equal to and longer than the context; blocks before it are NaN
+        dict(seq_lens=[0, 3, 24, 25, 70], heads=9, kvh=3, d=64, block_size=16, num_splits=1, sliding_window=24),
+        dict(seq_lens=[5, 40, 77], heads=8, kvh=2, d=64, block_size=16, num_splits=3, block_n=16, sliding_window=20),
+        dict(seq_lens=[3, 50], heads=4, kvh=2, d=32, block_size=8, num_splits=1, softcap=5.0),
+        dict(seq_lens=[1, 33, 60], heads=4, kvh=2, d=32, block_size=8, num_splits=2, block_n=16, softcap=5.0,
+             sliding_window=17),
+        # more partitions than the reduction merges at once (16); per-sequence partition counts differ
+        dict(seq_lens=[700, 5, 0, 290], heads=4, kvh=2, d=32, block_size=16, num_splits=40, block_n=16),
+        # a table as wide as a long max_model_len (automatic splits sized by it, >= 256-token partitions)
+        dict(seq_lens=[600, 5, 0, 300], heads=4, kvh=2, d=64, block_size=16, table_width=128),
+        dict(seq_lens=[3, 40], heads=4, kvh=2, d=8, block_size=16, num_splits=1),  # head_dim < 16 (tl.dot K)
+        dict(seq_lens=[3, 90], heads=4, kvh=1, d=8, block_size=16, num_splits=3, block_n=16),
     ]),
     "prefill": (check_prefill, [
         # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
@@ -230,10 +325,23 @@ CASES = {
              block_m=16, block_n=16),
         dict(q_and_seq_lens=[(32, 32), (3, 35), (1, 1)], heads=4, kvh=4, d=128, block_size=32, block_m=16),
         dict(q_and_seq_lens=[(16, 16), (9, 50), (1, 17)], heads=8, kvh=2, d=64, block_size=16),  # group 4
+        # sliding window: a prompt longer than it, a chunk after it, a decode-like row past it
+        dict(q_and_seq_lens=[(40, 40), (7, 60), (1, 45), (5, 5)], heads=9, kvh=3, d=64, block_size=16,
+             block_m=16, block_n=16, sliding_window=12),
+        dict(q_and_seq_lens=[(33, 33), (1, 20)], heads=4, kvh=2, d=32, block_size=8, softcap=5.0),
+        dict(q_and_seq_lens=[(30, 50), (20, 20)], heads=4, kvh=2, d=32, block_size=8, block_m=16, softcap=5.0,
+             sliding_window=9),
+        dict(q_and_seq_lens=[(9, 20), (1, 3)], heads=4, kvh=2, d=8, block_size=16, table_width=40),  # head_dim 8
     ]),
+    # the sequences' blocks at the top of the cache (the GPU check uses caches of more than 2^31 elements)
+    "top_blocks": (check_decode, [dict(seq_lens=[5, 40], heads=8, kvh=2, d=64, block_size=16, top_of=1 << 16)]),
+    "top_blocks_prefill": (check_prefill, [dict(q_and_seq_lens=[(7, 7), (9, 40)], heads=8, kvh=2, d=64,
+                                                block_size=16, top_of=1 << 16)]),
+    "top_slots_store_kv": (check_store_kv_top, [dict()]),
     "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
     "silu_and_mul": (check_silu, [dict()]),
+    "gelu_tanh_and_mul": (check_gelu_tanh, [dict(), dict(T=3, inter=1100)]),
     "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
 }

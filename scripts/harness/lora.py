@@ -234,4 +234,5 @@ ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
     ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
     ("a8", 5, 7, ["up_proj", "k_proj"], {"layers_to_transform": [1]}),
     ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
+    ("a10", 4, 8, ["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"], {}),  # PEFT's dotted-suffix entries
 ]

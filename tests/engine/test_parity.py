@@ -1,13 +1,16 @@
-"""Greedy tokens identical to transformers' generate (float32) across families and scheduling situations."""
+"""Greedy tokens identical to transformers' generate (float32) across families and scheduling situations.
+With LOOM_TEST_DEVICE=cuda the engine runs on the GPU (float32, compiled kernels); the oracle stays on the CPU."""
 from __future__ import annotations
 
 import pytest
 
 from harness.hf_models import assert_no_leak, hf_greedy, make_hf_model, random_prompts
+from harness.suite_device import engine_kwargs
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+ENGINE = engine_kwargs()  # explicit device and float32 (on CUDA, dtype auto would be bf16)
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
@@ -28,7 +31,7 @@ def _check(llm, model, prompts, max_tokens):
 
 def test_single_and_mixed_batch(family):
     _, model, path = family
-    llm = LLM(path, block_size=16, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(path, **ENGINE, block_size=16, kv_cache_memory_bytes=4 << 20)
     prompts = random_prompts([1, 7, 16, 33, 70], 320)
     _check(llm, model, prompts[:1], 12)  # single prompt
     _check(llm, model, prompts, 12)  # all at once, mixed lengths
@@ -36,14 +39,14 @@ def test_single_and_mixed_batch(family):
 
 def test_chunked_prefill_tiny_token_budget(family):
     _, model, path = family
-    llm = LLM(path, block_size=16, max_num_batched_tokens=7, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(path, **ENGINE, block_size=16, max_num_batched_tokens=7, kv_cache_memory_bytes=4 << 20)
     prompts = random_prompts([30, 45, 9], 320, seed=1)
     _check(llm, model, prompts, 10)
 
 
 def test_shared_prefix_hits_counted(family):
     _, model, path = family
-    llm = LLM(path, block_size=16, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(path, **ENGINE, block_size=16, kv_cache_memory_bytes=4 << 20)
     prefix = random_prompts([48], 320, seed=2)[0]
     tails = random_prompts([5, 11, 3], 320, seed=3)
     prompts = [prefix + t for t in tails]
@@ -60,7 +63,7 @@ def test_preemption_under_tiny_kv_budget(family):
     _, model, path = family
     c = model.config
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    llm = LLM(path, block_size=16, kv_cache_memory_bytes=7 * per_block, enable_prefix_caching=False)
+    llm = LLM(path, **ENGINE, block_size=16, kv_cache_memory_bytes=7 * per_block, enable_prefix_caching=False)
     prompts = random_prompts([20, 25, 18, 30], 320, seed=4)
     _check(llm, model, prompts, 30)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -70,7 +73,7 @@ def test_triton_kernel_path_parity(tmp_path, monkeypatch):
     """The same greedy tokens with every kernel switched to its Triton version (interpreted on CPU)."""
     model, path = make_hf_model("llama", tmp_path)
     monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
-    llm = LLM(path, block_size=16, max_num_batched_tokens=20, kv_cache_memory_bytes=1 << 20)
+    llm = LLM(path, **ENGINE, block_size=16, max_num_batched_tokens=20, kv_cache_memory_bytes=1 << 20)
     _check(llm, model, random_prompts([3, 21, 35], 320, seed=11), 6)
 
 
@@ -78,7 +81,7 @@ def test_default_model_matches_transformers(default_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(default_model_dir, block_size=16, max_num_batched_tokens=24)
+    llm = LLM(default_model_dir, **ENGINE, block_size=16, max_num_batched_tokens=24)
     tok = llm.tokenizer
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    tokenize=False, add_generation_prompt=True)

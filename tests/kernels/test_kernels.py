@@ -1,19 +1,19 @@
-"""Each Triton kernel against its reference under the Triton interpreter, float32 and float16."""
+"""Each Triton kernel against its reference: on CPU under the Triton interpreter in float32 and float16;
+with LOOM_TEST_DEVICE=cuda compiled on the GPU in float32, float16 and bfloat16."""
 import pytest
 import torch
 
 import harness.kernel_cases as kcases
+from harness.suite_device import DEVICE, kernel_dtypes
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
-
-DTYPES = [torch.float32, torch.float16]  # bfloat16: GPU only (the interpreter's bf16 dot is wrong)
 
 
 def _params():
     seed = 0  # a fixed integer per case, so a failure reproduces with its id alone
     for name, (_, cases) in kcases.CASES.items():
         for i, case in enumerate(cases):
-            for dt in DTYPES:
+            for dt in kernel_dtypes():
                 seed += 1
                 yield pytest.param(name, case, dt, seed, id=f"{name}-{i}-{str(dt).split('.')[-1]}-seed{seed}")
 
@@ -21,4 +21,36 @@ def _params():
 @pytest.mark.parametrize("name,case,dtype,seed", list(_params()))
 def test_triton_vs_ref(name, case, dtype, seed):
     torch.manual_seed(seed)
-    kcases.CASES[name][0](dtype, "cpu", **case)
+    kcases.CASES[name][0](dtype, DEVICE, **case)
+
+
+def test_jit_compile_counter():
+    """The counter gpu_check uses for "no compiles after warm-up": a new kernel variant counts once, a cached
+    one never; the interpreter compiles nothing; a hook installed before it keeps being called and is restored."""
+    from loom.kernels.activation import silu_and_mul_triton
+    from loom.kernels.compile_counter import JitCompileCounter, _hook_owner
+
+    x = torch.randn(3, 10, device=DEVICE)  # I=5: a tile width (8) no kernel case uses
+    with JitCompileCounter() as first:
+        silu_and_mul_triton(x)
+    with JitCompileCounter() as again:
+        silu_and_mul_triton(x)
+    assert again.count == 0
+    if DEVICE == "cuda":
+        assert first.kernels == ["_silu_and_mul_kernel"]
+    else:
+        assert first.count == 0
+
+    owner, attr = _hook_owner()
+    seen = []
+    before = getattr(owner, attr)
+    setattr(owner, attr, lambda **kw: seen.append(kw["repr"]))
+    try:
+        prev = getattr(owner, attr)
+        with JitCompileCounter() as c:
+            getattr(owner, attr)(key=None, repr="k[num_warps=4]()", fn=None, compile={}, is_manual_warmup=False,
+                                 already_compiled=False)
+        assert c.kernels == ["k"] and seen == ["k[num_warps=4]()"]
+        assert getattr(owner, attr) is prev
+    finally:
+        setattr(owner, attr, before)

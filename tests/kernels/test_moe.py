@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import harness.kernel_cases as kcases
 from harness.kernel_cases import assert_close
-from loom.kernels.moe import _block_sizes, fused_moe_ref, fused_moe_triton, moe_align
+from loom.kernels import dispatch
+from loom.kernels.moe import _block_sizes, fused_moe_lora_ref, fused_moe_ref, fused_moe_triton, moe_align
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
 
@@ -130,3 +132,49 @@ def test_block_sizes():
     assert _block_sizes(2, 64, 4096, 1408)[0] == 16  # decode
     assert _block_sizes(8192 * 8, 64, 4096, 1408)[0] == 64  # prefill
     assert _block_sizes(10, 8, 40, 24)[1:3] == (32, 64)
+
+
+@pytest.mark.parametrize("kind,K", [("random", 2), ("skip", 1), ("one", 2)])
+def test_lora_ref_vs_naive(kind, K):
+    """fused_moe_lora_ref against a float64 per-(token, k) loop: gate, up and down of each routed expert get
+    scaling * (x A^T) B for the token's adapter; tokens without an adapter get exactly fused_moe_ref's result."""
+    T, E, H, I = 29, 8, 40, 24
+    x, w13, w2, tw, ids = make_inputs(T, E, K, H, I, kind, torch.float32, 5)
+    meta, R, owner = kcases.make_lora_meta(T, [1, 4, 3], "cpu")
+    g = torch.Generator().manual_seed(3)
+    a13, b13 = torch.randn(E, 2, R, H, generator=g) / H ** 0.5, torch.randn(E, R, 2 * I, generator=g)
+    a2, b2 = torch.randn(E, 1, R, I, generator=g) / I ** 0.5, torch.randn(E, R, H, generator=g)
+    out = fused_moe_lora_ref(x, w13, w2, tw, ids, (a13, b13, a2, b2), meta)
+    xd, w13d, w2d = x.double(), w13.double(), w2.double()
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        grp = int(owner[t])
+        for k in range(K):
+            e = int(ids[t, k])
+            gu = w13d[e] @ xd[t]
+            if grp >= 0:
+                r0, rk, s = meta.row_start_cpu[grp], meta.ranks_cpu[grp], meta.scalings_cpu[grp]
+                for si in range(2):
+                    d = (a13[e, si, r0:r0 + rk].double() @ xd[t]) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I].double()
+                    gu[si * I:(si + 1) * I] += s * d
+            h = F.silu(gu[:I]) * gu[I:]
+            y = w2d[e] @ h
+            if grp >= 0:
+                y += s * ((a2[e, 0, r0:r0 + rk].double() @ h) @ b2[e, r0:r0 + rk].double())
+            want[t] += float(tw[t, k]) * y
+    assert_close(out, want.float(), torch.float32, "fused_moe_lora_ref vs naive")
+    plain = (owner < 0).nonzero().squeeze(1)
+    assert plain.numel() > 0
+    assert torch.equal(out[plain], fused_moe_ref(x, w13, w2, tw, ids)[plain])
+
+
+def test_dispatch_picks_triton_when_forced(monkeypatch):
+    x, w13, w2, tw, ids = make_inputs(9, 4, 2, 40, 24, "random", torch.float32, 3)
+    calls = []
+    monkeypatch.setattr(dispatch, "fused_moe_triton", lambda *a, **k: calls.append("triton") or fused_moe_ref(*a))
+    monkeypatch.delenv("LOOM_FORCE_TRITON", raising=False)
+    dispatch.fused_moe(x, w13, w2, tw, ids)
+    assert calls == []
+    monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
+    dispatch.fused_moe(x, w13, w2, tw, ids)
+    assert calls == ["triton"]

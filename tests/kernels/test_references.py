@@ -10,7 +10,8 @@ from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
-def naive_attention(q, kc, vc, cu, seq_lens, bt, scale):
+def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
+    """Per (token, head): the keys at positions max(0, pos - window + 1) .. pos, scores capped as c*tanh(s/c)."""
     q, kc, vc = q.double(), kc.double(), vc.double()
     bs, kvh = kc.shape[1], kc.shape[2]
     group = q.shape[1] // kvh
@@ -19,10 +20,14 @@ def naive_attention(q, kc, vc, cu, seq_lens, bt, scale):
         q_len, n = int(cu[s + 1] - cu[s]), int(seq_lens[s])
         for i in range(q_len):
             t, pos = int(cu[s]) + i, n - q_len + i
+            first = 0 if window is None else max(0, pos - window + 1)
             for h in range(q.shape[1]):
-                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(pos + 1)])
-                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(pos + 1)])
-                w = torch.softmax(keys @ q[t, h] * scale, 0)
+                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                scores = keys @ q[t, h] * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                w = torch.softmax(scores, 0)
                 out[t, h] = w @ vals
     return out
 
@@ -34,6 +39,27 @@ def test_prefill_ref_vs_naive(group):
     q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(lens, 3 * group, 3, 16, 8, torch.float32, "cpu")
     out = paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.3)
     assert kcases.rel_err(out, naive_attention(q, kc, vc, cu, sl, bt, 0.3)) < 1e-6
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (11, 2.0)])
+def test_window_softcap_refs_vs_naive(window, softcap):
+    """Both references against the naive loop, with blocks before each window pointing at NaN blocks."""
+    torch.manual_seed(7)
+    lens = [(1, 5), (6, 6), (4, 21), (1, 1), (9, 30), (1, 40)]
+    q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(lens, 6, 3, 16, 4, torch.float32, "cpu")
+    q = q * 4
+    full_bt = bt
+    bt = kcases.hide_before_window(kc, bt, [n - ql for ql, n in lens], window)
+    out = paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.3, sliding_window=window, softcap=softcap)
+    want = naive_attention(q, kc, vc, cu, sl, bt, 0.3, window, softcap)
+    assert kcases.rel_err(out, want) < 1e-6
+    dec = [0, 3, 5]  # single-token rows, through the decode reference
+    out = paged_decode_attention_ref(q[cu[dec].long()], kc, vc, bt[dec], sl[dec], 0.3, sliding_window=window,
+                                     softcap=softcap)
+    assert kcases.rel_err(out, want[cu[dec].long()]) < 1e-6
+    if window is not None:  # the window changes the result (a test that cannot fail otherwise)
+        full = naive_attention(q, kc, vc, cu, sl, full_bt, 0.3, None, softcap)
+        assert kcases.rel_err(full, want) > 1e-2
 
 
 def test_decode_ref_vs_naive():
@@ -91,6 +117,9 @@ def test_norm_rotary_silu_refs_vs_naive():
             assert torch.allclose(k2[t, :, j + 4], k[t, :, j + 4] * c + k[t, :, j] * sn, atol=1e-5)
     xx = torch.randn(2, 6)
     assert torch.allclose(dispatch.silu_and_mul_ref(xx), xx[:, :3] / (1 + (-xx[:, :3]).exp()) * xx[:, 3:])
+    a = xx[:, :3].double()
+    gelu = 0.5 * a * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (a + 0.044715 * a ** 3)))
+    assert torch.allclose(dispatch.gelu_tanh_and_mul_ref(xx).double(), gelu * xx[:, 3:].double(), atol=1e-6)
 
 
 def test_dispatch_choice(monkeypatch):

@@ -56,7 +56,7 @@ def test_mixed_batch_matches_peft(setup):
     hf = MixedLoraHF(load_hf(base), holders)
     names = [a[0] for a in ADAPTERS]
     # batch: every adapter once, interleaved with no-adapter rows, one adapter twice
-    order = [None, "a1", "a2", None, "a3", "a4", "a5", "a6", "a7", "a8", "a9", "a3", None]
+    order = [None, "a1", "a2", None, "a3", "a4", "a5", "a6", "a7", "a8", "a9", "a3", None, "a10"]
     refs = {n: _acquire_ready(reg, n) for n in names}
     assert reg.num_resident() == len(names)
     torch.manual_seed(7)

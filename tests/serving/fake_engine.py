@@ -90,7 +90,10 @@ class FakeEngine:
         self.running[request_id] = _R(request_id, prompt_token_ids[-1], params.max_tokens, params.logprobs is not None,
                                       len(prompt_token_ids))
 
-    def abort_request(self, request_id, reason="abort", error=None):
+    def abort_request(self, request_id, reason="abort", error=None, index=None):
+        # one completion per request here: aborting index 0 aborts the request
+        if index not in (None, 0):
+            return
         if self.running.pop(request_id, None) is not None:
             self.aborted.append(request_id)
             self._abort_echo.append(request_id)
@@ -107,7 +110,7 @@ class FakeEngine:
         self._abort_echo.clear()
         if self.fail_next_step:
             self.fail_next_step = False
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")  # transient, not sticky
         for r in list(self.running.values()):
             tok = (r.last + 1) % 26
             r.last, r.out = tok, r.out + 1

@@ -109,7 +109,7 @@ def test_return_flags():
     (dict(sp={"repetition_penalty": 0}), "repetition_penalty", "(0, 10]"),
     (dict(sp={"presence_penalty": 5}), "presence_penalty", "[-2, 2]"),
     (dict(sp={"frequency_penalty": -3}), "frequency_penalty", "[-2, 2]"),
-    (dict(sp={"seed": -1}), "seed", "2^63"),
+    (dict(sp={"seed": -2}), "seed", "2^63"),
     (dict(sp={"seed": 2**64}), "seed", "2^63"),
     (dict(sp={"ignore_eos": "maybe"}), "ignore_eos", "boolean"),
     (dict(sp={"ignore_eos": 2}), "ignore_eos", "boolean"),
@@ -120,11 +120,31 @@ def test_return_flags():
     (dict(sp={"stop": ["x"] * 50}), "stop", "at most 16"),
     (dict(sp={"stop_token_ids": ["a"]}), "stop_token_ids", "integer"),
     (dict(sp={"min_tokens": 20, "max_tokens": 10}), "min_tokens", "max_tokens=10"),
-    (dict(sp={"n": 2}), "n", "only 1"),
+    (dict(sp={"n": 2, "temperature": 0}), "n", "greedy"),
+    (dict(sp={"n": 17}), "n", "max_n"),
+    (dict(sp={"n": 0}), "n", "[1, 64]"),
     (dict(sp={"best_of": 3}), "best_of", "only 1"),
     (dict(sp={"use_beam_search": True}), "use_beam_search", "only false"),
-    (dict(sp={"prompt_logprobs": 1}), "prompt_logprobs", "only null"),
-    (dict(sp={"bogus_key": 1}), "bogus_key", "unknown sampling parameter; allowed: best_of"),
+    (dict(sp={"prompt_logprobs": 21}), "prompt_logprobs", "[0, 20]"),
+    (dict(sp={"logit_bias": {"x": 1}}), "logit_bias", "token ids"),
+    (dict(sp={"logit_bias": {"5": "nan"}}), "logit_bias", "finite"),
+    (dict(sp={"logit_bias": [1, 2]}), "logit_bias", "object"),
+    (dict(sp={"allowed_token_ids": []}), "allowed_token_ids", "non-empty"),
+    (dict(sp={"allowed_token_ids": [-1]}), "allowed_token_ids", "non-negative"),
+    (dict(sp={"bad_words": [" "]}), "bad_words", "non-blank"),
+    (dict(sp={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens", "-1 or an integer >= 1"),
+    (dict(sp={"spaces_between_special_tokens": "x"}), "spaces_between_special_tokens", "boolean"),
+    (dict(sp={"structured_outputs": "{"}), "structured_outputs", "valid JSON"),
+    (dict(sp={"structured_outputs": {}}), "structured_outputs", "exactly one"),
+    (dict(sp={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "exactly one"),
+    (dict(sp={"structured_outputs": {"choice": []}}), "structured_outputs", "choice"),
+    (dict(sp={"structured_outputs": {"json": "{not"}}), "structured_outputs", "JSON schema"),
+    (dict(sp={"structured_outputs": {"regex": "a", "color": 1}}), "structured_outputs", "unknown key 'color'"),
+    (dict(sp={"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}), "structured_outputs",
+     "disable_any_whitespace"),
+    (dict(sp={"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}), "guided_decoding", "not both"),
+    (dict(sp={"guided_decoding": "[]"}), "guided_decoding", "JSON object"),
+    (dict(sp={"bogus_key": 1}), "bogus_key", "unknown sampling parameter; allowed: allowed_token_ids"),
     (dict(sp={"lora_name": 5}), "lora_name", "string"),
     (dict(sp={"request_timeout_s": 0}), "request_timeout_s", "seconds"),
     (dict(text=""), "text_input", "non-empty"),
@@ -190,3 +210,43 @@ def test_nesting_inside_strings_and_at_the_bound_is_fine():
     with pytest.raises(RequestError) as ei:  # parsed (31 levels are allowed), then refused as an unknown key
         req(sp=nested)
     assert ei.value.field == "a"
+
+
+def test_vllm_parameters_with_their_meaning():
+    p = req(sp={"n": "3", "logit_bias": {"7": 250, "9": -0.5}, "allowed_token_ids": [1, 2, 2], "bad_words": ["x", "x"],
+                "truncate_prompt_tokens": 4, "spaces_between_special_tokens": "false", "prompt_logprobs": 2}).params
+    assert p.n == 3 and p.logit_bias == {7: 100.0, 9: -0.5}  # vLLM clamps biases to [-100, 100]
+    assert p.allowed_token_ids == [1, 2, 2] and p.bad_words == ["x"] and p.truncate_prompt_tokens == 4
+    assert p.spaces_between_special_tokens is False and p.prompt_logprobs == 2
+    # request parameters carry only scalars: the bias comes as JSON text there
+    assert req(sp=None, params=json.dumps({"logit_bias": '{"5": 1}'})).params.logit_bias == {5: 1.0}
+
+
+def test_structured_outputs_as_vllm_backend_and_older_clients_send_them():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    # vllm_backend: a JSON string inside sampling_parameters
+    so = req(sp={"structured_outputs": json.dumps({"json": schema})}).params.structured_outputs
+    assert so.kind == "json" and json.loads(so.schema_text()) == schema
+    assert req(sp={"structured_outputs": {"choice": ["yes", "no"]}}).params.structured_outputs.choice == ("yes", "no")
+    # guided_decoding (older vLLM; Triton's OpenAI frontend sends every field, unset ones as null, and backend)
+    old = {"json": None, "regex": "[0-9]+", "choice": None, "grammar": None, "json_object": None,
+           "backend": "xgrammar", "whitespace_pattern": None}
+    so = req(sp={"guided_decoding": json.dumps(old)}).params.structured_outputs
+    assert so.kind == "regex" and so.regex == "[0-9]+"
+
+
+def test_openai_frontend_chat_logprobs_and_seed():
+    assert req(sp={"logprobs": True, "top_logprobs": 3}).params.logprobs == 3
+    assert req(sp={"logprobs": False, "top_logprobs": 3}).params.logprobs is None
+    assert req(sp={"logprobs": "true"}).params.logprobs == 0
+    assert req(sp={"logprobs": "2"}).params.logprobs == 2
+    assert req(sp={"seed": -1}).params.seed is None  # vLLM: -1 = no seed
+
+
+def test_truncate_prompt_tokens_cuts_input_ids_before_the_length_check():
+    ids = np.arange(1, 101, dtype=np.int32)
+    r = req(text=None, input_ids=ids, sp={"truncate_prompt_tokens": 5}, limits=Limits(max_prompt_tokens=10))
+    assert r.prompt_token_ids == [96, 97, 98, 99, 100]
+    r = req(text=None, input_ids=ids, sp={"truncate_prompt_tokens": -1}, limits=Limits(max_prompt_tokens=10))
+    assert r.prompt_token_ids == list(range(91, 101))
+    refused("input_ids", text=None, input_ids=ids, limits=Limits(max_prompt_tokens=10))

@@ -1,0 +1,72 @@
+"""Sparse mixture-of-experts block (Mixtral, Qwen3-MoE): router, top-k routing, fused experts, expert LoRA.
+
+Routing is transformers': softmax over the router logits in float32, top-k of the probabilities, then (Mixtral
+always, Qwen3-MoE with norm_topk_prob) division by their sum; Qwen3-MoE rounds the weights to the model dtype.
+The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down); a step in which some
+adapter carries expert LoRA (`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs
+`kernels.fused_moe_lora` instead (PyTorch, on every device).
+
+Parameter names follow transformers 5: mlp.gate.weight [E, H], mlp.experts.gate_up_proj [E, 2I, H] (gate rows,
+then up rows) and mlp.experts.down_proj [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.kernels import fused_moe, fused_moe_lora
+from loom.layers.forward_context import get_forward_context
+
+
+class ExpertLoRA(nn.Module):
+    """Where the adapter registry attaches one layer's expert LoRA pools: lora_a [E, S, R, in], lora_b [E, R, out]."""
+
+    def __init__(self, num_experts: int, in_features: int, output_sizes: list[int]):
+        super().__init__()
+        self.num_experts, self.in_features, self.output_sizes = num_experts, in_features, list(output_sizes)
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        self.lora_group: str | None = None
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.lora_gate_up = ExpertLoRA(num_experts, hidden_size, [intermediate_size] * 2)
+        self.lora_down = ExpertLoRA(num_experts, intermediate_size, [hidden_size])
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 round_weights: bool):
+        super().__init__()
+        self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate.weight.requires_grad_(False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, K] float32, expert ids [T, K])."""
+        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(x.dtype).float()
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        e = self.experts
+        if e.lora_gate_up.lora_a is not None:  # expert pools attached: this step may carry expert LoRA
+            meta = get_forward_context().lora
+            experts = meta.experts if meta is not None else None
+            if experts is not None and experts.token_indices.numel() > 0:
+                lora = (e.lora_gate_up.lora_a, e.lora_gate_up.lora_b, e.lora_down.lora_a, e.lora_down.lora_b)
+                return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, experts)
+        return fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids)

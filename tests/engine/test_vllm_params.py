@@ -1,0 +1,278 @@
+"""vLLM's request-level parameters, each against a direct computation: logit_bias, allowed_token_ids, bad_words,
+the grammar mask (sampler level, known logits), and n, prompt_logprobs, truncate_prompt_tokens, logit_bias /
+allowed_token_ids through the engine (a small random HF model is the oracle)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from harness.hf_models import assert_no_leak, make_hf_model, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.logits_processors import bad_words_token_ids, banned_by_bad_words, build_constraints
+from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.sampling_params import SamplingParams as SP
+from loom.engine.structured_output import StructuredOutputsParams as SO
+from loom.errors import RequestError
+
+V = 64
+
+
+def batch(params, outputs=None, constraints=None, matchers=None, seeds=None, prompts=None, vocab=V):
+    n = len(params)
+    return SamplingBatch.build(params, seeds or list(range(n)), prompts or [[1, 2, 3]] * n, outputs or [[]] * n,
+                               [[]] * n, vocab, "cpu", constraints=constraints, matchers=matchers)
+
+
+def cons(params, tokenizer=None, grammars=None, vocab=V):
+    return [build_constraints(p, vocab, tokenizer, grammars) for p in params]
+
+
+# ------------------------------------------------------------------ sampler level
+
+
+def test_logit_bias_then_penalties_in_vllms_order():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g) * 3
+    ps = [SP(temperature=0, logit_bias={5: 2.5, 7: -300}),  # clamped to -100
+          SP(temperature=0, logit_bias={5: 1.0}, repetition_penalty=1.7, presence_penalty=0.5),
+          SP(temperature=0)]
+    outs = [[5, 9], [5, 9, 9], [1]]
+    b = batch(ps, outputs=outs, constraints=cons(ps), prompts=[[2], [3, 5], [4]])
+    got = Sampler().process_logits(logits.clone(), b)
+    want = logits.clone()
+    want[0, 5] += 2.5
+    want[0, 7] += -100.0
+    want[1, 5] += 1.0  # bias first, then the penalties see the biased logit (vLLM's order)
+    for t in {3, 5, 9}:  # repetition penalty over prompt + output ids
+        want[1, t] = want[1, t] / 1.7 if want[1, t] > 0 else want[1, t] * 1.7
+    for t in {5, 9}:  # presence over output ids
+        want[1, t] -= 0.5
+    torch.testing.assert_close(got, want)
+    assert Sampler()(logits.clone(), b).token_ids.tolist() == want.argmax(-1).tolist()
+
+
+def test_allowed_token_ids_restricts_the_distribution():
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(V, generator=g)
+    allowed = [3, 10, 11, 40]
+    p = SP(temperature=1.0, allowed_token_ids=allowed)
+    n = 4000
+    b = batch([p] * n, constraints=cons([p] * n), seeds=list(range(n)))
+    toks = Sampler()(row[None].expand(n, V).contiguous(), b).token_ids
+    expected = torch.zeros(V, dtype=torch.float64)
+    expected[allowed] = torch.softmax(row[allowed].double(), 0)
+    freqs = torch.bincount(toks, minlength=V).double() / n
+    assert set(toks.tolist()) <= set(allowed)
+    assert (freqs - expected).abs().max() < 0.03, (freqs[allowed], expected[allowed])
+    greedy = SP(temperature=0, allowed_token_ids=allowed)
+    assert Sampler()(row[None].clone(), batch([greedy], constraints=cons([greedy]))).token_ids.item() == \
+        allowed[int(row[allowed].argmax())]
+
+
+def test_bad_words_rule_against_a_direct_check():
+    words = [[7], [1, 2], [4, 5, 6]]
+    rng = random.Random(0)
+    for _ in range(300):
+        out = [rng.randrange(8) for _ in range(rng.randrange(0, 6))]
+        want = sorted({w[-1] for w in words if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:]
+                                                                 == w[:-1])})
+        assert sorted(set(banned_by_bad_words(words, out))) == want, out
+
+
+class WordTokenizer:
+    """Words to ids: 'a' -> [1], ' a' -> [11], 'ab' -> [1, 2], ' ab' -> [11, 2]."""
+    def encode(self, text, add_special_tokens=False):
+        ids = []
+        for i, ch in enumerate(text):
+            if ch == " ":
+                continue
+            ids.append(ord(ch) - 96 + (10 if i > 0 and text[i - 1] == " " else 0))
+        return ids
+
+
+def test_bad_words_tokenized_with_and_without_a_leading_space_and_masked():
+    assert bad_words_token_ids(WordTokenizer(), ["ab", " c"]) == [[1, 2], [11, 2], [3], [13]]
+    p = SP(temperature=0, bad_words=["ab"])
+    c = cons([p, p], tokenizer=WordTokenizer())
+    b = batch([p, p], outputs=[[5, 1], [5, 11]], constraints=c)
+    x = Sampler().process_logits(torch.zeros(2, V), b)
+    assert torch.isinf(x[0, 2]) and torch.isinf(x[1, 2])  # 'b' after 'a' / after ' a'
+    assert torch.isfinite(x[:, [0, 1, 3, 11]]).all()
+    b = batch([p], outputs=[[5, 2]], constraints=c[:1])
+    assert torch.isfinite(Sampler().process_logits(torch.zeros(1, V), b)).all()
+
+
+def test_out_of_vocabulary_ids_are_refused_naming_the_field():
+    for p, field in ((SP(logit_bias={V: 1.0}), "logit_bias"), (SP(allowed_token_ids=[V + 3]), "allowed_token_ids")):
+        with pytest.raises(RequestError) as ei:
+            build_constraints(p, V)
+        assert ei.value.field == field
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from harness.default_model import ensure_default_model
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    from loom.engine.structured_output import GrammarCompiler
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def test_grammar_mask_is_exactly_what_the_matcher_accepts(tokenizer, grammars):
+    """Every token left finite must be accepted by a copy of the matcher, and a sample of the masked ones must be
+    refused (the direct check: xgrammar's own accept_token)."""
+    vocab = len(tokenizer)
+    p = SP(temperature=0, structured_outputs=SO(regex=r"(yes|no)-[0-9]{2}"))
+    c = cons([p], tokenizer, grammars, vocab)
+    m = grammars.matcher(c[0].grammar)
+    for tok in tokenizer.encode("ye", add_special_tokens=False):
+        assert m.accept_token(tok)
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(2))
+    b = batch([p], constraints=c, matchers=[m], vocab=vocab)
+    masked = b.processors.apply_grammar(logits.clone())[0]
+    out = Sampler()(logits.clone(), b)
+    allowed = torch.nonzero(torch.isfinite(masked)).flatten().tolist()
+    assert allowed and out.token_ids.item() in allowed
+    for t in allowed:
+        assert m.fork().accept_token(t), tokenizer.decode([t])
+    rng = random.Random(3)
+    for t in rng.sample(sorted(set(range(vocab)) - set(allowed)), 300):
+        assert not m.fork().accept_token(t)
+    # logprobs under a grammar are those of the masked distribution (vLLM applies the mask before sampling)
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(masked, -1)[out.token_ids])
+
+
+def test_contradicting_constraints_fall_back_to_the_grammar(tokenizer, grammars):
+    """min_tokens bans eos but a completed grammar allows only eos: the row is not left without a token."""
+    vocab = len(tokenizer)
+    eos = tokenizer.eos_token_id
+    p = SP(temperature=1.0, min_tokens=5, structured_outputs=SO(choice=("ok",)))
+    c = cons([p], tokenizer, grammars, vocab)
+    m = grammars.matcher(c[0].grammar)
+    for tok in tokenizer.encode("ok", add_special_tokens=False):
+        assert m.accept_token(tok)
+    b = SamplingBatch.build([p], [0], [[1]], [[5, 6]], [[eos]], vocab, "cpu", constraints=c, matchers=[m])
+    assert Sampler()(torch.randn(1, vocab), b).token_ids.item() == eos
+
+
+# ------------------------------------------------------------------ engine level (HF model as the oracle)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_hf_model("llama", tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture()
+def llm(tiny):
+    return LLM(tiny[1], block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=64)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_n_completions_equal_single_requests_with_seed_plus_index_and_share_the_prompt(llm):
+    prompt = random_prompts([40], 320, seed=5)[0]  # 2 full blocks + a partial one
+    p = SP(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    eng = llm.engine
+    eng.add_request("r", prompt, p)
+    outs = eng.step()  # the prompt is computed once; the 4 completions sample from its logits row
+    assert sorted(o.index for o in outs) == [0, 1, 2, 3]
+    tables = [eng.requests[k].block_table for k in ("r", "r#1", "r#2", "r#3")]
+    assert all(t[:2] == tables[0][:2] for t in tables)  # full blocks shared ...
+    assert all(eng.block_manager.blocks[b].ref_count == 4 for b in tables[0][:2])
+    assert len({t[2] for t in tables}) == 4  # ... the partial one copied per completion
+    assert eng.block_manager.num_used_blocks == 2 + 4
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    got = {i: [t for o in outs if o.index == i for t in o.new_token_ids] for i in range(4)}
+    assert_no_leak(eng)
+    for i in range(4):  # the direct computation: one request per seed
+        single = llm.generate([prompt], SP(temperature=1.0, seed=11 + i, max_tokens=6, ignore_eos=True))[0]
+        assert got[i] == single.token_ids, i
+    assert len({tuple(v) for v in got.values()}) > 1
+    full = llm.generate([prompt], p)[0]
+    assert [s.token_ids for s in full.samples] == [got[i] for i in range(4)]
+    assert_no_leak(eng)
+
+
+def test_n_completions_survive_preemption_and_abort(tiny):
+    llm = LLM(tiny[1], block_size=16, kv_cache_memory_bytes=12 * 2 * 2 * 16 * 2 * 16 * 4, max_num_batched_tokens=64)
+    prompt = random_prompts([20], 320, seed=6)[0]
+    outs = llm.generate([prompt, prompt], [SP(n=3, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True),
+                                           SP(n=2, temperature=1.0, seed=9, max_tokens=40, ignore_eos=True)])
+    assert [len(o.samples) for o in outs] == [3, 2] and all(len(s.token_ids) == 40 for o in outs for s in o.samples)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for i, s in enumerate(outs[0].samples):
+        assert s.token_ids == llm.generate([prompt], SP(temperature=1.0, seed=1 + i, max_tokens=40,
+                                                        ignore_eos=True))[0].token_ids
+    llm.engine.add_request("x", prompt, SP(n=3, temperature=1.0, max_tokens=30, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.abort_request("x")
+    llm.engine.step()
+    assert_no_leak(llm.engine)
+
+
+def test_prompt_logprobs_match_the_model(llm, tiny):
+    model, _ = tiny
+    prompt = random_prompts([37], 320, seed=7)[0]
+    out = llm.generate([prompt], SP(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    lp = torch.log_softmax(hf_logits(model, prompt), -1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for j in range(1, len(prompt)):
+        e = out.prompt_logprobs[j]
+        want = lp[j - 1]
+        assert e.token_id == prompt[j]
+        assert e.logprob == pytest.approx(want[prompt[j]].item(), abs=1e-4)
+        assert e.rank == int((want >= want[prompt[j]]).sum())  # vLLM's rank
+        assert [t for t, _ in e.top] == want.topk(3).indices.tolist()
+    # the prefix cache is skipped for prompt logprobs; a second identical request gets all of them again
+    again = llm.generate([prompt], SP(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    assert [e.token_id for e in again.prompt_logprobs[1:]] == prompt[1:]
+    assert all(e.top == [] for e in again.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_with_chunked_prefill(tiny):
+    model, path = tiny
+    llm = LLM(path, block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=16)
+    prompt = random_prompts([50], 320, seed=8)[0]
+    out = llm.generate([prompt], SP(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    lp = torch.log_softmax(hf_logits(model, prompt), -1)
+    got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+    want = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_logit_bias_and_allowed_token_ids_through_the_engine(llm, tiny):
+    model, _ = tiny
+    prompt = random_prompts([12], 320, seed=9)[0]
+    last = hf_logits(model, prompt)[-1]
+    top = int(last.argmax())
+    out = llm.generate([prompt], SP(temperature=0, max_tokens=1, logit_bias={top: -100, 17: 5.0}))[0]
+    biased = last.clone()
+    biased[top] -= 100
+    biased[17] += 5
+    assert out.token_ids == [int(biased.argmax())]
+    allowed = [5, 50, 150, 250]
+    out = llm.generate([prompt], SP(temperature=0, max_tokens=4, allowed_token_ids=allowed))[0]
+    assert out.token_ids[0] == allowed[int(last[allowed].argmax())] and set(out.token_ids) <= set(allowed)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    prompt = random_prompts([30], 320, seed=10)[0]
+    a = llm.generate([prompt], SP(temperature=0, max_tokens=5, truncate_prompt_tokens=9))[0]
+    b = llm.generate([prompt[-9:]], SP(temperature=0, max_tokens=5))[0]
+    assert a.token_ids == b.token_ids
+    llm.engine.add_request("t", prompt, SP(max_tokens=1, truncate_prompt_tokens=9))
+    assert llm.engine.requests["t"].num_prompt_tokens == 9
+    llm.engine.abort_request("t")
+    llm.engine.step()
