@@ -1,8 +1,9 @@
-"""C++ CPU kernels: paged attention reading the KV cache in place, multi-LoRA over adapter rows in place, and
-the GEMM of linear layers over weights packed once into register-tile panels.
+"""C++ CPU kernels: paged attention reading the KV cache in place, multi-LoRA over adapter rows in place, the
+GEMM of linear layers over weights packed once into register-tile panels, and the pointwise work between them.
 
 Plain C++ with a C ABI (no torch headers: it builds in seconds), compiled once per machine with the system
-compiler into a cache folder keyed by a hash of the source, flags and compiler, and called through ctypes
+compiler into a per-user cache folder (never the repository) keyed by a hash of the source, flags and compiler
+(concurrent first builds take turns on a lock file; the library appears by atomic rename), and called through ctypes
 (which releases the GIL). Float32 only. AVX2/FMA intrinsics when the CPU has them (exp: the Cephes
 polynomial, about 1 ulp), plain loops otherwise. Parallel with OpenMP over independent work items, with
 torch's thread count; the library links libgomp.so.1, which resolves to the copy torch already loaded, so
@@ -12,6 +13,7 @@ callers then run the PyTorch references.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -564,42 +566,51 @@ _SIGNATURES = {
 }
 
 
-def _isa_flags() -> list[str]:
-    """AVX2+FMA when this CPU has them (the build is cached per flag set)."""
+@functools.lru_cache(maxsize=None)
+def native_isa() -> tuple[str, ...]:
+    """AVX2+FMA when this CPU has them, else nothing (plain loops); the build is cached per flag set."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         flags = []
-    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+    return ("-mavx2", "-mfma") if "avx2" in flags and "fma" in flags else ()
 
 
 def cache_dir() -> Path:
+    """Per user and machine, never the repository: $LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom or ~/.cache/loom."""
     root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
                                                             os.path.expanduser("~/.cache"), "loom")
     return Path(root) / "cpu_kernels"
 
 
 def _compile(cxx: str, flags: list[str], target: Path) -> None:
+    """Concurrent first builds (two server instances, two test processes) take turns on a lock file; the library
+    appears under its final name only once complete (rename), so no process ever loads a partial file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "kernels.cpp"
-        src.write_text(_SOURCE)
-        out = Path(tmp) / target.name
-        subprocess.run([cxx, *flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True,
-                       timeout=300)
-        os.replace(out, target)  # atomic: a concurrent build of the same source writes the same file
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if target.exists():  # another process built it while this one waited
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src = Path(tmp) / "kernels.cpp"
+            src.write_text(_SOURCE)
+            out = Path(tmp) / target.name
+            subprocess.run([cxx, *flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True,
+                           timeout=300)
+            os.replace(out, target)
 
 
 @functools.lru_cache(maxsize=None)
-def _build():
+def build(isa: tuple[str, ...]):
+    """The library built with these instruction-set flags (cached on disk by source, flags and compiler), or None
+    after one warning when it cannot be built or loaded: no compiler, a failed compile, an unwritable cache."""
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
-        log.warning("loom CPU kernels unavailable (no C++ compiler %r); using the PyTorch references", cxx)
+        log.warning("loom CPU kernels unavailable (no C++ compiler %r; set CXX); using the PyTorch references", cxx)
         return None
     # no FMA contraction of plain C++ expressions: the pointwise kernels round like the PyTorch references
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17",
-             *_isa_flags()]
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17", *isa]
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         key = hashlib.sha256("\0".join([_SOURCE, version, *flags]).encode()).hexdigest()[:20]
@@ -608,9 +619,9 @@ def _build():
             _compile(cxx, flags, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:  # a failed build: the references still work
-        detail = getattr(e, "stderr", "") or ""
-        log.warning("loom CPU kernels unavailable (%s: %s %s); using the PyTorch references", type(e).__name__, e,
-                    detail[-2000:])
+        detail = (getattr(e, "stderr", "") or "").strip()
+        log.warning("loom CPU kernels unavailable (%s: %s%s); using the PyTorch references", type(e).__name__, e,
+                    f"\n{detail[-2000:]}" if detail else "")
         return None
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
@@ -632,7 +643,17 @@ def load():
     if not enabled():
         return None
     with _lock:  # the engine thread and a test thread may race to build it
-        return _build()
+        return build(native_isa())
+
+
+def describe() -> str:
+    """One line for the engine's start: which CPU path runs and why."""
+    if not enabled():
+        return "CPU kernels off (LOOM_CPU_KERNELS=0): the PyTorch references run"
+    lib = load()
+    if lib is None:
+        return "CPU kernels unavailable (see the warning above): the PyTorch references run"
+    return f"CPU kernels: loom C++ ({'AVX2' if native_isa() else 'no AVX2'}) from {lib._name}"
 
 
 def usable(*tensors: torch.Tensor) -> bool:

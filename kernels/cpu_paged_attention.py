@@ -28,16 +28,6 @@ def _options(sliding_window, softcap) -> tuple[int, float]:
     return int(sliding_window or 0), float(softcap or 0.0)
 
 
-def _ref_kwargs(sliding_window, softcap) -> dict:
-    # only the options that are set: a reference predating them still serves the plain case
-    kw = {}
-    if sliding_window is not None:
-        kw["sliding_window"] = sliding_window
-    if softcap is not None:
-        kw["softcap"] = softcap
-    return kw
-
-
 def _cache_ok(k_cache, v_cache) -> bool:
     return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
 
@@ -74,7 +64,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
             (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                          **_ref_kwargs(sliding_window, softcap))
+                                          sliding_window=sliding_window, softcap=softcap)
     if out is None:
         out = torch.empty_like(q)
     B, H, D = q.shape
@@ -97,7 +87,7 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
     if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
             (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
         return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                           scale, out=out, **_ref_kwargs(sliding_window, softcap))
+                                           scale, out=out, sliding_window=sliding_window, softcap=softcap)
     if out is None:
         out = torch.empty_like(q)
     T, H, D = q.shape

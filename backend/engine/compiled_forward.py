@@ -62,7 +62,12 @@ def build_forward(runner) -> EagerForward | CompiledForward:
         return EagerForward(model)
     cpu.tune_mkl_for_amd()
     cpu.set_compute_threads(config.cpu_threads)
-    cpu_ext.load()  # build (once per machine) or load the C++ kernels now, not in the first step
+    # Build (once per machine) or load the C++ kernels now, not in the first step; one log line says which path
+    # runs (a failed build has logged its warning instead).
+    if runner.dtype != torch.float32:
+        log.info("CPU kernels: float32 only; this %s model runs the PyTorch references", runner.dtype)
+    elif cpu_ext.load() is not None or not cpu_ext.enabled():
+        log.info("%s", cpu_ext.describe())
     if cpu.can_pack(runner.dtype, runner.device):
         cpu.pack_linear_weights(model)
     return CompiledForward(model) if config.cpu_compile else EagerForward(model)

@@ -74,6 +74,29 @@ def test_eager_fast_path_matches_reference(setup, reference_tokens):
     assert _run(llm) == reference_tokens
 
 
+def test_failed_build_runs_the_references(setup, reference_tokens, monkeypatch, tmp_path, caplog):
+    """No usable compiler (the C++ kernels cannot be built): the engine starts, packs nothing and gives the
+    reference path's tokens, with one warning saying so."""
+    from loom.kernels import cpu_ext
+
+    model, adapters = setup
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    cpu_ext.build.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="loom"):
+            llm = _llm(model, adapters)
+        assert not any(m.dense for m in llm.engine.runner.model.modules() if isinstance(m, LoRALinear))
+        # the step with everything (prefills and decodes, two adapters and none): tokens 7..11 of _run
+        prompts = random_prompts([1, 9, 23, 40, 64], 320, seed=5)
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, lora_names=["a", None, "b", "a", "b"])]
+        assert got == reference_tokens[7:12]
+    finally:
+        cpu_ext.build.cache_clear()  # the next engine loads the real library again
+    lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
+    assert len(lines) == 1 and "unavailable" in lines[0] and r"no C++ compiler" in lines[0]
+
+
 def test_compiled_forward_matches_reference(setup, reference_tokens):
     model, adapters = setup
     llm = _llm(model, adapters, cpu_compile=True)

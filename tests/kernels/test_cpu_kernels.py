@@ -1,6 +1,6 @@
 """The C++ CPU kernels (kernels/cpu_ext.py) against float64 naive loops and the PyTorch references: paged
 attention reading the cache in place (decode, prefill over cached prefixes, sliding window, softcap) and
-multi-LoRA over adapter rows in place, and the GEMM over packed weights."""
+multi-LoRA over adapter rows in place, the GEMM over packed weights, the pointwise kernels."""
 import pytest
 import torch
 
@@ -11,11 +11,16 @@ from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ext():
-    m = cpu_ext.load()
-    assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
-    return m
+@pytest.fixture(scope="module", autouse=True, params=["native", "no-avx2"])
+def ext(request):
+    """Every test twice: the build for this CPU (AVX2/FMA intrinsics here) and the plain-loop build a CPU
+    without AVX2 gets (cached on disk like the other)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "no-avx2":
+            mp.setattr(cpu_ext, "native_isa", lambda: ())
+        m = cpu_ext.load()
+        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
+        yield m
 
 
 def naive(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
@@ -211,3 +216,4 @@ def test_pointwise_vs_references():
     assert torch.equal(qkv[:, 128:], v)  # v untouched (it shares the storage)
     for t in (torch.randn(5, 2 * 37) * 4, torch.randn(3, 2 * 64 + 8)[:, :128] * 30):
         assert kcases.rel_err(silu_and_mul_cpu(t), activation.silu_and_mul_ref(t)) < 1e-6
+
