@@ -15,7 +15,7 @@ def tune_mkl_for_amd() -> None:
     """MKL's AVX-512 GEMM path is pathologically slow for small-M matmuls on AMD EPYC CPUs that have AVX-512
     (Zen 4: 16 ms vs 0.18 ms for an fp32 [8,1536]x[1536,576] matmul); its AVX2 kernels are the fast ones there.
     MKL reads the variable once, when it first dispatches a GEMM, not when torch loads it: calling this after
-    `import torch` works as long as no matmul ran yet (tests/engine/test_cpu.py checks this with MKL_VERBOSE).
+    `import torch` works as long as no matmul ran yet.
     The engine calls it at its start; entry points that run torch work first (benchmarks with HF peers,
     tests) call it before that work. A user's own setting always wins."""
     if "MKL_ENABLE_INSTRUCTIONS" in os.environ:
