@@ -31,7 +31,6 @@ class PackedWeight:
         lib.loom_gemm_pack(w.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile one opaque op (the panels are a plain tensor: no freezing needed)
         fn = torch.ops.loom.linear_packed if torch.compiler.is_compiling() else linear_packed
@@ -41,7 +40,7 @@ class PackedWeight:
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                   out_features: int) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with W packed into `panels` (PackedWeight)."""
-    lib = cpu_ext.load()
+    lib = cpu_ext.build(cpu_ext.native_isa())  # built when the panels were packed, whatever LOOM_CPU_KERNELS says now
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.dtype != torch.float32:
