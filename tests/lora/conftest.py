@@ -1,11 +1,7 @@
+"""The LoRA tests run tiny models: one intra-op thread (tests/conftest.py: single_thread_torch)."""
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread_torch():
-    """Tiny models: intra-op threads only add contention (50x slower on a loaded 2-core box)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""

@@ -43,6 +43,11 @@ LIMITS = {  # config.pbtxt parameters of loom_limits
 
 # ------------------------------------------------------------------ adapters and repository
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from harness.default_model import ensure_default_model
@@ -220,16 +225,6 @@ def tiny_model_dir(tmp_path_factory, model_dir) -> str:
         if (Path(model_dir) / f).is_file():
             shutil.copy(Path(model_dir) / f, path / f)
     return str(path)
-
-
-@pytest.fixture
-def single_thread_torch():
-    import torch
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 class Collector:
