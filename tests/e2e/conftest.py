@@ -124,7 +124,7 @@ def repo_dir(tmp_path_factory, adapter_root) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def server(repo_dir, tmp_path_factory):
     backends = build_backend_dir(tmp_path_factory.mktemp("backends"))
     (backends / "loom_faulty").mkdir()
@@ -142,7 +142,7 @@ def server(repo_dir, tmp_path_factory):
     print(s.log_tail(30))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def offline(model_dir, adapter_root):
     from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)])

@@ -108,7 +108,7 @@ def repo_dir(tmp_path_factory, adapter_root) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def server(repo_dir):
     from harness.tritonserver import LocalTritonServer
 
@@ -125,7 +125,7 @@ def server(repo_dir):
     assert code == 0, f"tritonserver exit code {code}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def offline(model_dir, adapter_root):
     from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)], kv_cache_memory_bytes=256 << 20)
