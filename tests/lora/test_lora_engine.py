@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loom.lora.adapter_registry as registry_mod
-from harness.lora import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
+from harness.lora import make_peft_adapter, peft_greedy, tiny_llama_config, write_raw_adapter
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 from loom.errors import RequestError
@@ -24,16 +24,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("base")), seed=0)
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, base):
-    r = tmp_path_factory.mktemp("adapters")
-    for i, (name, rank, alpha, tm, kw) in enumerate(ADAPTERS):
-        make_peft_adapter(base, str(r / name), seed=100 + i, r=rank, alpha=alpha, target_modules=tm, scale=2.0, **kw)
-    return r
+def root(adapter_set):
+    return adapter_set
 
 
 def make_llm(base, roots, **kw):

@@ -14,7 +14,6 @@ from harness.lora import (
     MixedLoraHF,
     holder_model,
     load_hf,
-    make_peft_adapter,
     make_tiny_llama,
     peft_generate,
     tiny_llama_config,
@@ -25,12 +24,8 @@ from loom.lora import AdapterRegistry, LoraModelSpec
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    base = make_tiny_llama(str(tmp_path_factory.mktemp("base")), seed=0)
-    for i, (name, r, alpha, tm, kw) in enumerate(ADAPTERS):
-        make_peft_adapter(base, str(root / name), seed=100 + i, r=r, alpha=alpha, target_modules=tm, scale=2.0, **kw)
-    return base, str(root)
+def setup(tiny_base, adapter_set):
+    return tiny_base, str(adapter_set)
 
 
 def _registry(root, cfg, memory_rows=256, **kw):
