@@ -1,5 +1,6 @@
-"""One real tritonserver (nvidia-pytriton wheel, explicit model control) for every test under tests/e2e, started
-once per session, plus the offline engine in this process as the reference, and three small random LoRA adapters.
+"""One real tritonserver (nvidia-pytriton wheel, explicit model control) for every test under tests/e2e (compat/
+included), started once and stopped when they are done, plus the offline engine in this process as the reference,
+and three small random LoRA adapters.
 
 Models in its repository (copies of model_repository/loom_smollm2):
 * `loom_smollm2`: the shipped config, adapter root = the test adapters (alpha, beta, gamma);
