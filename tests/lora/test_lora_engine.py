@@ -103,7 +103,8 @@ def test_256_distinct_adapters_in_one_step(base, tmp_path):
         reg.load(f"ad{i:03d}", str(many / f"ad{i:03d}"))
     groups = []
     orig = reg.build_lora_meta
-    reg.build_lora_meta = lambda refs, nt: (lambda m: (groups.append(0 if m is None else m.num_groups), m)[1])(orig(refs, nt))
+    reg.build_lora_meta = lambda refs, nt: (lambda m: (groups.append(0 if m is None else m.num_groups), m)[1])(
+        orig(refs, nt))
     names = [f"ad{i:03d}" for i in range(n)] + [None] * 4
     prompts = prompts_for(len(names), seed=2, lo=3, hi=8)
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, logprobs=0, **GREEDY), lora_names=names)
@@ -220,7 +221,8 @@ def test_refusals(base, root, tmp_path):
     outside = tmp_path / "outside"
     make_peft_adapter(base, str(outside / "o"), seed=1, r=2, alpha=2, target_modules=["q_proj"])
     bad = tmp_path / "bad"
-    write_raw_adapter(str(bad / "lmhead"), CFG, 0, 2, 2, ["q_proj"], extra_config={"target_modules": ["q_proj", "lm_head"]})
+    write_raw_adapter(str(bad / "lmhead"), CFG, 0, 2, 2, ["q_proj"],
+                      extra_config={"target_modules": ["q_proj", "lm_head"]})
     write_raw_adapter(str(bad / "broken"), CFG, 0, 2, 2, ["q_proj"])
     with open(bad / "broken" / "adapter_model.safetensors", "wb") as f:
         f.write(b"\x01" * 100)

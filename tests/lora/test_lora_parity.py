@@ -82,8 +82,8 @@ def test_256_distinct_adapters_in_one_step(tmp_path):
     targets = [["q_proj"], ["v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"], ["k_proj", "down_proj"]]
     n = 260
     for i in range(n):
-        write_raw_adapter(str(root / f"ad{i:03d}"), cfg, seed=i, r=1 + i % 4, alpha=2 + i % 3, target_modules=targets[i % 4],
-                          scale=2.0)
+        write_raw_adapter(str(root / f"ad{i:03d}"), cfg, seed=i, r=1 + i % 4, alpha=2 + i % 3,
+                          target_modules=targets[i % 4], scale=2.0)
     reg, holders = _registry(str(root), cfg, memory_rows=sum(1 + i % 4 for i in range(n)), max_host_adapters=n)
     hf = MixedLoraHF(load_hf(base), holders)
     refs = [_acquire_ready(reg, f"ad{i:03d}") for i in range(n)]
