@@ -22,6 +22,9 @@ def run_script(script: str, *args: str, timeout: int = 900) -> subprocess.Comple
     """Run scripts/<script> with this interpreter; it must exit 0."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # one intra-op thread: with two, any other load on a 2-core box makes torch crawl (measured, bench_offline at
+    # this size on a loaded box: 97 s with 2 threads, 18 s with 1); the numbers are not checked here
+    env.setdefault("OMP_NUM_THREADS", "1")
     p = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, f"{script} failed:\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
