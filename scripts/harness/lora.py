@@ -15,7 +15,8 @@ from torch import nn
 from loom.lora import LoraModelSpec, build_lora_meta
 
 PROJ_GROUP = {
-    "q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1), "v_proj": ("self_attn", "qkv_proj", 2),
+    "q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
+    "v_proj": ("self_attn", "qkv_proj", 2),
     "o_proj": ("self_attn", "o_proj", 0),
     "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", 0),
@@ -48,19 +49,11 @@ def load_hf(model_dir: str):
 
 def make_peft_adapter(model_dir: str, out_dir: str, seed: int, r: int = 4, alpha: float = 8,
                       target_modules=("q_proj", "v_proj"), scale: float = 1.0, **lora_kw) -> str:
-    """Save a PEFT adapter with non-zero B (PEFT initialises B to zero)."""
-    from peft import LoraConfig, get_peft_model
+    """Save a PEFT adapter with non-zero B (PEFT initialises B to zero): harness.hf_models.make_peft_adapter with
+    the defaults of the Llama LoRA tests."""
+    from harness.hf_models import make_peft_adapter as make
 
-    base = load_hf(model_dir)
-    torch.manual_seed(seed)
-    tm = target_modules if isinstance(target_modules, str) else list(target_modules)
-    pm = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=tm, init_lora_weights=False, **lora_kw))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn_like(p) * scale / max(p.shape[-1], 1) ** 0.5)
-    pm.save_pretrained(out_dir)
-    return out_dir
+    return make(model_dir, out_dir, seed, r=r, alpha=alpha, scale=scale, target_modules=target_modules, **lora_kw)
 
 
 def write_raw_adapter(out_dir: str, cfg, seed: int, r: int, alpha: float, target_modules, dtype=torch.float32,
@@ -179,8 +172,8 @@ class MixedLoraHF:
         self.refs = refs
         try:
             out = self.hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
+                                   max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True, pad_token_id=0)
             return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores, 1)
         finally:
             self.refs = None
@@ -195,7 +188,8 @@ def peft_generate(model_dir: str, adapter_dir: str | None, input_ids: torch.Tens
 
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+                         min_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[:, input_ids.shape[1]:], torch.stack(out.scores, 1)
 
 
@@ -231,7 +225,8 @@ ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
     ("a4", 8, 8, ["gate_proj", "up_proj"], {}),
     ("a5", 16, 32, ["down_proj"], {}),
     ("a6", 3, 5, "all-linear", {}),
-    ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"], {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
+    ("a7", 6, 12, ["q_proj", "v_proj", "down_proj"],
+     {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"v_proj": 3}}),
     ("a8", 5, 7, ["up_proj", "k_proj"], {"layers_to_transform": [1]}),
     ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     ("a10", 4, 8, ["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"], {}),  # PEFT's dotted-suffix entries

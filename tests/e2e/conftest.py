@@ -1,5 +1,18 @@
-"""A real tritonserver (nvidia-pytriton wheel) serving model_repository/loom_smollm2 with the `loom` backend,
-plus the offline engine in this process as the reference, and two small random LoRA adapters."""
+"""One real tritonserver (nvidia-pytriton wheel, explicit model control) for every test under tests/e2e (compat/
+included), started once and stopped when they are done, plus the offline engine in this process as the reference,
+and three small random LoRA adapters.
+
+Models in its repository (copies of model_repository/loom_smollm2):
+* `loom_smollm2`: the shipped config, adapter root = the test adapters (alpha, beta, gamma);
+* `loom_compat`: the same with vllm_backend's REPORT_CUSTOM_METRICS = true (vllm:* and the gateway's gauges next to
+  loom_*), max_num_seqs 4 so that requests wait (tests/e2e/compat);
+* `loom_faulty`: the same weights served by a backend that wraps loom's model.py and fails every engine step with
+  a sticky CUDA error once the file FAULT exists in its model folder; ENABLE_VLLM_HEALTH_CHECK = true, no vllm:*
+  metrics (REPORT_CUSTOM_METRICS unset) (tests/e2e/compat/test_health.py).
+
+The configs are complete, so the server skips auto-completion (one stub process less per model); the reliability
+server (tests/reliability) still loads the shipped config through auto_complete_config.
+"""
 from __future__ import annotations
 
 import queue
@@ -13,10 +26,33 @@ import tritonclient.grpc as grpcclient
 
 from harness import triton_client
 from harness.triton_client import make_inputs, metric  # noqa: F401  (re-exported to the tests)
-from harness.tritonserver import LocalTritonServer
+from harness.tritonserver import LocalTritonServer, build_backend_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "loom_smollm2"
+COMPAT, FAULTY = "loom_compat", "loom_faulty"
+MAX_NUM_SEQS = 4  # loom_compat
+
+# The faulty backend: loom's model with an injectable sticky device fault (test-only; nothing like it ships).
+FAULTY_MODEL_PY = '''
+import os
+
+from loom.model import TritonPythonModel as _Loom
+
+
+class TritonPythonModel(_Loom):
+    def initialize(self, args):
+        super().initialize(args)
+        trigger = os.path.join(args["model_repository"], "FAULT")
+        run = self.engine.runner.run
+
+        def run_or_fail(*a, **kw):
+            if os.path.exists(trigger):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            return run(*a, **kw)
+
+        self.engine.runner.run = run_or_fail
+'''
 
 
 def make_lora(model_dir: str, out_dir: Path, seed: int, r: int = 8) -> None:
@@ -37,6 +73,11 @@ def make_lora(model_dir: str, out_dir: Path, seed: int, r: int = 8) -> None:
     peft_model.save_pretrained(str(out_dir))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from harness.default_model import ensure_default_model
@@ -51,33 +92,58 @@ def adapter_root(tmp_path_factory, model_dir) -> Path:
     return root
 
 
+def _with_params(text: str, params: dict[str, str]) -> str:
+    for key, value in params.items():
+        pat = rf'(\{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
+        if re.search(pat, text):
+            text = re.sub(pat, rf'\1"{value}"', text)
+        else:
+            text = text.replace("parameters [\n", f'parameters [\n  {{ key: "{key}", value: {{ string_value: '
+                                                  f'"{value}" }} }},\n', 1)
+        assert f'"{key}", value: {{ string_value: "{value}"' in text, key
+    return text
+
+
+def _model(repo: Path, name: str, backend: str, params: dict[str, str]) -> Path:
+    """A copy of the shipped model folder (without its demo adapters) as `name`, served by `backend`."""
+    shutil.copytree(REPO / "model_repository" / MODEL, repo / name, ignore=shutil.ignore_patterns("adapters"))
+    cfg = repo / name / "config.pbtxt"
+    text = cfg.read_text().replace(f'name: "{MODEL}"', f'name: "{name}"')
+    text = text.replace('backend: "loom"', f'backend: "{backend}"')
+    cfg.write_text(_with_params(text, params))
+    return repo / name
+
+
 @pytest.fixture(scope="session")
 def repo_dir(tmp_path_factory, adapter_root) -> Path:
-    """A copy of the shipped model repository whose adapter root points at the test adapters."""
     repo = tmp_path_factory.mktemp("model_repository")
-    shutil.copytree(REPO / "model_repository" / MODEL, repo / MODEL)
-    cfg = repo / MODEL / "config.pbtxt"
-    text = re.sub(r'(key: "adapter_roots", value: \{ string_value: )"[^"]*"', rf'\1"{adapter_root}"', cfg.read_text())
-    assert str(adapter_root) in text
-    cfg.write_text(text)
+    _model(repo, MODEL, "loom", {"adapter_roots": str(adapter_root)})
+    _model(repo, COMPAT, "loom", {"adapter_roots": str(adapter_root), "max_num_seqs": str(MAX_NUM_SEQS),
+                                  "kv_cache_memory_bytes": "64MiB", "REPORT_CUSTOM_METRICS": "true"})
+    _model(repo, FAULTY, "loom_faulty", {"adapter_roots": "", "kv_cache_memory_bytes": "16MiB", "metrics": "false",
+                                         "ENABLE_VLLM_HEALTH_CHECK": "true", "max_failed_steps": "0"})
     return repo
 
 
-@pytest.fixture(scope="session")
-def server(repo_dir):
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
+def server(repo_dir, tmp_path_factory):
+    backends = build_backend_dir(tmp_path_factory.mktemp("backends"))
+    (backends / "loom_faulty").mkdir()
+    (backends / "loom_faulty" / "model.py").write_text(FAULTY_MODEL_PY)
     s = LocalTritonServer()
     try:
-        s.start(repo_dir, timeout=300)
+        s.start(repo_dir, explicit=True, load_models=[MODEL, COMPAT, FAULTY], backend_dir=backends, timeout=300,
+                extra_args=["--disable-auto-complete-config"])
     except Exception:
         print(s.log_tail(80))
         s.stop()
         raise
     yield s
     s.stop()
-    print(s.log_tail(20))
+    print(s.log_tail(30))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def offline(model_dir, adapter_root):
     from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)])
@@ -141,9 +207,9 @@ def text_of(results) -> str:
     return "".join(r.as_numpy("text_output")[0].decode() for r in results)
 
 
-def scrape(server) -> dict[str, float]:
-    """`name{labels}` -> value for the loom_* series."""
-    return triton_client.scrape(server.metrics_url)
+def scrape(server, model: str = MODEL) -> dict[str, float]:
+    """`name{labels}` -> value for one model's loom_* series (the other models share the endpoint)."""
+    return {k: v for k, v in triton_client.scrape(server.metrics_url).items() if f'model="{model}"' in k}
 
 
 def wait_for(cond, timeout=20.0, interval=0.1):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loom.lora.adapter_registry as registry_mod
-from harness.lora import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config, write_raw_adapter
+from harness.lora import make_peft_adapter, peft_greedy, tiny_llama_config, write_raw_adapter
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 from loom.errors import RequestError
@@ -24,16 +24,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("base")), seed=0)
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, base):
-    r = tmp_path_factory.mktemp("adapters")
-    for i, (name, rank, alpha, tm, kw) in enumerate(ADAPTERS):
-        make_peft_adapter(base, str(r / name), seed=100 + i, r=rank, alpha=alpha, target_modules=tm, scale=2.0, **kw)
-    return r
+def root(adapter_set):
+    return adapter_set
 
 
 def make_llm(base, roots, **kw):
@@ -106,7 +103,8 @@ def test_256_distinct_adapters_in_one_step(base, tmp_path):
         reg.load(f"ad{i:03d}", str(many / f"ad{i:03d}"))
     groups = []
     orig = reg.build_lora_meta
-    reg.build_lora_meta = lambda refs, nt: (lambda m: (groups.append(0 if m is None else m.num_groups), m)[1])(orig(refs, nt))
+    reg.build_lora_meta = lambda refs, nt: (lambda m: (groups.append(0 if m is None else m.num_groups), m)[1])(
+        orig(refs, nt))
     names = [f"ad{i:03d}" for i in range(n)] + [None] * 4
     prompts = prompts_for(len(names), seed=2, lo=3, hi=8)
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, logprobs=0, **GREEDY), lora_names=names)
@@ -223,7 +221,8 @@ def test_refusals(base, root, tmp_path):
     outside = tmp_path / "outside"
     make_peft_adapter(base, str(outside / "o"), seed=1, r=2, alpha=2, target_modules=["q_proj"])
     bad = tmp_path / "bad"
-    write_raw_adapter(str(bad / "lmhead"), CFG, 0, 2, 2, ["q_proj"], extra_config={"target_modules": ["q_proj", "lm_head"]})
+    write_raw_adapter(str(bad / "lmhead"), CFG, 0, 2, 2, ["q_proj"],
+                      extra_config={"target_modules": ["q_proj", "lm_head"]})
     write_raw_adapter(str(bad / "broken"), CFG, 0, 2, 2, ["q_proj"])
     with open(bad / "broken" / "adapter_model.safetensors", "wb") as f:
         f.write(b"\x01" * 100)

@@ -14,7 +14,6 @@ from harness.lora import (
     MixedLoraHF,
     holder_model,
     load_hf,
-    make_peft_adapter,
     make_tiny_llama,
     peft_generate,
     tiny_llama_config,
@@ -25,12 +24,8 @@ from loom.lora import AdapterRegistry, LoraModelSpec
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    base = make_tiny_llama(str(tmp_path_factory.mktemp("base")), seed=0)
-    for i, (name, r, alpha, tm, kw) in enumerate(ADAPTERS):
-        make_peft_adapter(base, str(root / name), seed=100 + i, r=r, alpha=alpha, target_modules=tm, scale=2.0, **kw)
-    return base, str(root)
+def setup(tiny_base, adapter_set):
+    return tiny_base, str(adapter_set)
 
 
 def _registry(root, cfg, memory_rows=256, **kw):
@@ -87,8 +82,8 @@ def test_256_distinct_adapters_in_one_step(tmp_path):
     targets = [["q_proj"], ["v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"], ["k_proj", "down_proj"]]
     n = 260
     for i in range(n):
-        write_raw_adapter(str(root / f"ad{i:03d}"), cfg, seed=i, r=1 + i % 4, alpha=2 + i % 3, target_modules=targets[i % 4],
-                          scale=2.0)
+        write_raw_adapter(str(root / f"ad{i:03d}"), cfg, seed=i, r=1 + i % 4, alpha=2 + i % 3,
+                          target_modules=targets[i % 4], scale=2.0)
     reg, holders = _registry(str(root), cfg, memory_rows=sum(1 + i % 4 for i in range(n)), max_host_adapters=n)
     hf = MixedLoraHF(load_hf(base), holders)
     refs = [_acquire_ready(reg, f"ad{i:03d}") for i in range(n)]

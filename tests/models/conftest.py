@@ -2,18 +2,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.hf_models import make_hf_model
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _single_thread_torch():
-    """Tiny models: intra-op threads only add contention on a loaded 2-core box."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""
 
 
 @pytest.fixture(scope="session")

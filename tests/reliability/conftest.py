@@ -43,6 +43,11 @@ LIMITS = {  # config.pbtxt parameters of loom_limits
 
 # ------------------------------------------------------------------ adapters and repository
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from harness.default_model import ensure_default_model
@@ -103,7 +108,7 @@ def repo_dir(tmp_path_factory, adapter_root) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def server(repo_dir):
     from harness.tritonserver import LocalTritonServer
 
@@ -120,7 +125,7 @@ def server(repo_dir):
     assert code == 0, f"tritonserver exit code {code}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (memory freed) when the package's tests are done
 def offline(model_dir, adapter_root):
     from loom.engine.llm import LLM
     return LLM(model_dir, adapter_roots=[str(adapter_root)], kv_cache_memory_bytes=256 << 20)
@@ -220,16 +225,6 @@ def tiny_model_dir(tmp_path_factory, model_dir) -> str:
         if (Path(model_dir) / f).is_file():
             shutil.copy(Path(model_dir) / f, path / f)
     return str(path)
-
-
-@pytest.fixture
-def single_thread_torch():
-    import torch
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 class Collector:

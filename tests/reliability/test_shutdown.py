@@ -30,7 +30,8 @@ def test_sigterm_with_a_stream_open_exits_within_the_timeout_once_the_client_goe
     write_model(repo, MODEL, {"adapter_roots": "", "kv_cache_memory_bytes": "64MiB", "lora_memory_bytes": "16MiB",
                               "shutdown_timeout_s": "5"})
     s = LocalTritonServer()
-    s.start(repo, timeout=300, extra_args=[f"--exit-timeout-secs={EXIT_TIMEOUT_S}"])
+    # the config is complete: no auto-completion (a stub process less); the shared server covers auto_complete_config
+    s.start(repo, timeout=300, extra_args=[f"--exit-timeout-secs={EXIT_TIMEOUT_S}", "--disable-auto-complete-config"])
     client = None
     try:
         got = []

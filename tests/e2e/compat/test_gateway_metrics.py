@@ -18,8 +18,8 @@ PROMPTS = ["The most dangerous animal is", "The capital of France is", "The futu
 
 
 @pytest.fixture(scope="module")
-def client(compat_server):
-    c = Client(compat_server)
+def client(server):
+    c = Client(server)
     yield c
     c.close()
 
@@ -50,9 +50,9 @@ HIST = ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds"
         "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_params_n")
 
 
-def test_vllm_backend_metric_names_and_counts(client, compat_server):
+def test_vllm_backend_metric_names_and_counts(client, server):
     """3 prompts, twice, not streamed, parameters as strings (tensor and request parameters, as its clients do)."""
-    before = samples(compat_server)
+    before = samples(server)
     params = {"temperature": "0", "top_p": "1"}
     n_in = n_out = 0
     outs = []
@@ -68,8 +68,8 @@ def test_vllm_backend_metric_names_and_counts(client, compat_server):
     def delta(snap, name, **lab):
         return value(snap, name, **lab) - value(before, name, **lab)
 
-    assert wait_for(lambda: delta(samples(compat_server), "vllm:request_params_n_count") == 6)
-    after = samples(compat_server)
+    assert wait_for(lambda: delta(samples(server), "vllm:request_params_n_count") == 6)
+    after = samples(server)
     assert delta(after, "vllm:prompt_tokens_total") == n_in
     assert delta(after, "vllm:generation_tokens_total") == n_out
     for name in HIST:
@@ -85,7 +85,7 @@ def test_vllm_backend_metric_names_and_counts(client, compat_server):
     params = {"n": "2", "temperature": "1", "top_p": "1", "max_tokens": "4"}
     res, err = client.run(make_inputs(PROMPTS[0], params, stream=False), parameters=params)
     assert err is None and len(res[0].as_numpy("text_output")) == 2
-    assert wait_for(lambda: delta(samples(compat_server), "vllm:request_params_n_sum") == 8)
+    assert wait_for(lambda: delta(samples(server), "vllm:request_params_n_sum") == 8)
     # REPORT_CUSTOM_METRICS is unset for the other model: none of its series carry a vllm: name
     assert not [s for s in after if s.name.startswith("vllm:") and s.labels.get("model") == FAULTY]
     assert [s for s in after if s.name.startswith("loom_") and s.labels.get("model") == COMPAT]  # alongside
@@ -99,7 +99,7 @@ def names(label: str) -> set[str]:
     return set(label.split(",")) - {""}
 
 
-def test_gateway_gauges_while_adapters_run_and_wait(client, compat_server):
+def test_gateway_gauges_while_adapters_run_and_wait(client, server):
     res, err = client.run(make_inputs(""), parameters={"adapter_op": "info"})
     assert err is None, err
     info = json.loads(res[0].as_numpy("text_output")[0])["result"]
@@ -112,7 +112,7 @@ def test_gateway_gauges_while_adapters_run_and_wait(client, compat_server):
     snaps = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        snap = samples(compat_server)
+        snap = samples(server)
         snaps.append(snap)
         series = lora_series(snap)
         assert len(series) == 1, [s.labels for s in series]  # current sets, not a history of label sets
@@ -140,9 +140,9 @@ def test_gateway_gauges_while_adapters_run_and_wait(client, compat_server):
     assert any(value(s, "vllm:kv_cache_usage_perc") > 0 for s in snaps)
 
     def idle():
-        series = lora_series(samples(compat_server))
+        series = lora_series(samples(server))
         return len(series) == 1 and not names(series[0].labels["running_lora_adapters"]) \
             and not names(series[0].labels["waiting_lora_adapters"])
     assert wait_for(idle), "the adapter sets must empty once nothing runs or waits"
-    snap = samples(compat_server)
+    snap = samples(server)
     assert value(snap, "vllm:num_requests_running") == 0 and value(snap, "vllm:num_requests_waiting") == 0

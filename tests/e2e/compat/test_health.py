@@ -20,15 +20,15 @@ def ready(admin, model: str) -> tuple[bool, bool]:
     return admin.is_model_ready(model), states == ["READY"]
 
 
-def test_sticky_device_fault_makes_the_model_unready(compat_server, compat_repo):
-    admin = grpcclient.InferenceServerClient(compat_server.grpc_url)
-    c = Client(compat_server, model=FAULTY)
+def test_sticky_device_fault_makes_the_model_unready(server, repo_dir):
+    admin = grpcclient.InferenceServerClient(server.grpc_url)
+    c = Client(server, model=FAULTY)
     try:
         for _ in range(2):  # healthy: it serves and stays ready
             assert ready(admin, FAULTY) == (True, True)
             res, err = c.run(make_inputs(PROMPT, PARAMS))
             assert err is None and "".join(t for r in res for t in texts(r)), err
-        (compat_repo / FAULTY / "FAULT").write_text("sticky")
+        (repo_dir / FAULTY / "FAULT").write_text("sticky")
         _, err = c.run(make_inputs(PROMPT, PARAMS))
         assert err is not None and "illegal memory access" in str(err), err
         deadline = time.monotonic() + 60

@@ -19,8 +19,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def client(compat_server):
-    c = Client(compat_server)
+def client(server):
+    c = Client(server)
     yield c
     c.close()
 
