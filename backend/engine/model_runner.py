@@ -77,8 +77,9 @@ class ModelRunner:
         return free
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
-                extra_rows: list[int] | None = None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None,
+                token_fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         s = len(seqs)
         starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
@@ -118,14 +119,19 @@ class ModelRunner:
         ctx = ForwardContext(positions=to(positions, torch.int64), slot_mapping=to(slots, torch.int64),
                              num_decode_seqs=d, decode=decode, prefill=prefill,
                              logits_indices=to(logits_idx, torch.int64), lora=lora)
-        return to(ids, torch.int64), ctx, sampled
+        ids_t = to(ids, torch.int64)
+        if token_fill is not None:  # async scheduling: ids the previous step is still sampling, on the device
+            ids_t.index_copy_(0, token_fill[0], token_fill[1])
+        return ids_t, ctx, sampled
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
-            extra_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None,
+            token_fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Returns float32 logits of the sampled sequences and their indices into batch.seqs; with `extra_rows`
-        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows."""
-        ids, ctx, sampled = self.prepare(batch, lora, extra_rows)
+        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows. `token_fill`
+        (flat input positions, device token ids): input ids that are not known on the host yet (async
+        scheduling), written over the uploaded ids on the device. Nothing here waits for the device."""
+        ids, ctx, sampled = self.prepare(batch, lora, extra_rows, token_fill)
         with forward_context(ctx):
             hidden = self.model(ids, ctx.positions)
             logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled or extra_rows
