@@ -37,6 +37,7 @@ class CancelWatcher:
             self._watched[rid] = req
 
     def unwatch(self, rid: str, req) -> None:
+        """Stop asking; on return no is_cancelled() call for it is in progress (call before the final response)."""
         with self._cond:
             if self._watched.get(rid) is req:
                 del self._watched[rid]
@@ -57,12 +58,18 @@ class CancelWatcher:
                 items = list(self._watched.items())
             t0 = time.perf_counter()
             for rid, req in items:
-                try:
-                    cancelled = bool(req.is_cancelled())
-                except Exception:
-                    cancelled = False
+                # under the lock, and only while still watched: once unwatch() returns no call is in progress,
+                # and the sender may be finished (asking a finished Triton response factory crashes the server)
+                with self._cond:
+                    if self._watched.get(rid) is not req:
+                        continue
+                    try:
+                        cancelled = bool(req.is_cancelled())
+                    except Exception:
+                        cancelled = False
+                    if cancelled:
+                        del self._watched[rid]
                 if cancelled:
-                    self.unwatch(rid, req)
                     try:
                         self._on_cancelled(rid, req)
                     except Exception:
