@@ -17,20 +17,24 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Integers that vary with the step (the split, the rank tiles, the buffer's strides, which follow the step's LoRA
+# tokens and largest rank) are not specialised on, nor is the alignment of the token list (the adapter registry's
+# is a slice at the number of tokens without adapter): a new value must never mean a new compile while serving.
+@triton.jit(do_not_specialize=["stride_bs", "stride_bt", "k_per_split", "r_tiles", "split_k"],
+            do_not_specialize_on_alignment=["tok_ptr"])
 def _shrink_kernel(
     x_ptr, a_ptr, buf_ptr, tok_ptr, seg_ptr, row_ptr, rank_ptr,
     stride_xt, stride_as, stride_ar, stride_bs, stride_bt,
-    K, k_per_split,
-    R_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    K, k_per_split, r_tiles, split_k,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     g = tl.program_id(0)
     mt = tl.program_id(1)
     pid2 = tl.program_id(2)  # (slice, rank tile, k split) flattened
-    ks = pid2 % SPLIT_K
-    rt = (pid2 // SPLIT_K) % R_TILES
-    sl = pid2 // (SPLIT_K * R_TILES)
+    ks = pid2 % split_k
+    rt = (pid2 // split_k) % r_tiles
+    sl = pid2 // (split_k * r_tiles)
     seg0 = tl.load(seg_ptr + g)
     n_tok = tl.load(seg_ptr + g + 1) - seg0
     rank = tl.load(rank_ptr + g)
@@ -55,25 +59,25 @@ def _shrink_kernel(
         acc += tl.dot(xt, at.to(xt.dtype), input_precision=DOT_PREC)
     dst = buf_ptr + sl.to(tl.int64) * stride_bs + (seg0 + i).to(tl.int64)[:, None] * stride_bt + r[None, :]
     omask = imask[:, None] & rmask[None, :]
-    if SPLIT_K == 1:
-        tl.store(dst, acc, mask=omask)
-    else:
+    if ATOMIC:  # split K: partial sums meet in the zeroed buffer
         tl.atomic_add(dst, acc, mask=omask)
+    else:
+        tl.store(dst, acc, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bs", "stride_bt", "n_tiles"], do_not_specialize_on_alignment=["tok_ptr"])
 def _expand_kernel(
     buf_ptr, b_ptr, y_ptr, tok_ptr, seg_ptr, row_ptr, rank_ptr, scal_ptr,
     stride_bs, stride_bt, stride_br, stride_yt,
     OFF0, OFF1, OFF2, OFF3, OFF4,  # slice column offsets (up to 4 slices), scalars: no H2D copy per call
-    N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_tiles, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     g = tl.program_id(0)
     mt = tl.program_id(1)
     pid2 = tl.program_id(2)  # (slice, column tile)
-    nt = pid2 % N_TILES
-    sl = pid2 // N_TILES
+    nt = pid2 % n_tiles
+    sl = pid2 // n_tiles
     seg0 = tl.load(seg_ptr + g)
     n_tok = tl.load(seg_ptr + g + 1) - seg0
     if mt * BLOCK_M >= n_tok:
@@ -110,6 +114,22 @@ def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def block_m_for(max_seg_len: int) -> int:
+    """Token tile of the shrink/expand launches: the step's largest group, in three classes."""
+    return 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+
+
+def block_r_for(max_rank: int) -> int:
+    """Rank tile: the step's largest rank, in three classes (16, 32, 64; larger ranks take several tiles)."""
+    return min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
+
+
+def shrink_split_k(groups: int, m_tiles: int, slices: int, r_tiles: int, K: int) -> int:
+    """Few tokens and a long input dim: split K so the grid fills the GPU (atomics into float32)."""
+    programs = groups * m_tiles * slices * r_tiles
+    return max(1, min(16, 256 // max(programs, 1), K // 512))
+
+
 def lora_shrink_triton(x, lora_a, meta, out=None, split_k=None):
     """out (optional) [S, T_lora, max_rank] float32; only r < rank of each token's group is written."""
     S, _, K = lora_a.shape
@@ -120,15 +140,13 @@ def lora_shrink_triton(x, lora_a, meta, out=None, split_k=None):
     if T_lora == 0 or G == 0:
         return out
     assert x.stride(-1) == 1 and lora_a.stride(-1) == 1 and out.stride(-1) == 1
-    block_m = 16 if meta.max_seg_len <= 16 else (32 if meta.max_seg_len <= 32 else 64)
-    block_r = min(64, max(16, triton.next_power_of_2(meta.max_rank)))
+    block_m = block_m_for(meta.max_seg_len)
+    block_r = block_r_for(meta.max_rank)
     block_k = 64 if block_m * block_r <= 32 * 32 else 32
     r_tiles = triton.cdiv(meta.max_rank, block_r)
     m_tiles = triton.cdiv(meta.max_seg_len, block_m)
     if split_k is None:
-        # few tokens and a long input dim: split K so the grid fills the GPU (atomics into float32)
-        programs = G * m_tiles * S * r_tiles
-        split_k = max(1, min(16, 256 // max(programs, 1), K // 512))
+        split_k = shrink_split_k(G, m_tiles, S, r_tiles, K)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     if split_k > 1:
@@ -136,8 +154,8 @@ def lora_shrink_triton(x, lora_a, meta, out=None, split_k=None):
     _shrink_kernel[(G, m_tiles, S * r_tiles * split_k)](
         x, lora_a, out, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), out.stride(1),
-        K, k_per_split,
-        R_TILES=r_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k,
+        K, k_per_split, r_tiles, split_k,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split_k > 1,
         DOT_PREC=_dot_precision(x.dtype),
     )
     return out
@@ -153,14 +171,14 @@ def lora_expand_triton(buf, lora_b, slice_offsets, meta, y):
     assert lora_b.stride(-1) == 1 and y.stride(-1) == 1 and buf.stride(-1) == 1
     offs = [int(o) for o in slice_offsets] + [int(slice_offsets[-1])] * (5 - len(slice_offsets))
     widest = max(offs[s + 1] - offs[s] for s in range(S))
-    block_m = 16 if meta.max_seg_len <= 16 else (32 if meta.max_seg_len <= 32 else 64)
-    block_r = min(64, max(16, triton.next_power_of_2(meta.max_rank)))
+    block_m = block_m_for(meta.max_seg_len)
+    block_r = block_r_for(meta.max_rank)
     block_n = 64 if widest >= 64 else max(16, triton.next_power_of_2(widest))
     n_tiles = triton.cdiv(widest, block_n)
     _expand_kernel[(G, triton.cdiv(meta.max_seg_len, block_m), S * n_tiles)](
         buf, lora_b, y, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings,
         buf.stride(0), buf.stride(1), lora_b.stride(0), y.stride(0), *offs,
-        N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+        n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(lora_b.dtype),
     )
     return y
@@ -187,19 +205,29 @@ def _groups(meta):
 _DENSE_MAX_TOKEN_ROWS = 32768
 
 
+def _tokens(meta):
+    """The step's LoRA token indices: a static meta (CUDA graphs) pads token_indices past the last group's end."""
+    n = meta.seg_starts_cpu[-1] if meta.seg_starts_cpu is not None else int(meta.seg_starts[-1])
+    return meta.token_indices[:n]
+
+
 def _dense_span(meta):
     """(lo, hi, rows [T, r] relative to lo, valid [T, r], scaling [T]) or None when the loop is cheaper."""
     if meta.num_groups < 2:
         return None
     rs = meta.row_start_cpu if meta.row_start_cpu is not None else meta.row_start.tolist()
     rk = meta.ranks_cpu if meta.ranks_cpu is not None else meta.ranks.tolist()
-    lo, hi = min(rs), max(r + k for r, k in zip(rs, rk))
-    if meta.token_indices.numel() * (hi - lo) > _DENSE_MAX_TOKEN_ROWS:
+    used = [(r, k) for r, k in zip(rs, rk) if k > 0]  # a static meta's padding groups have rank 0
+    if not used:
+        return None
+    lo, hi = min(r for r, _ in used), max(r + k for r, k in used)
+    tok = _tokens(meta)
+    if tok.numel() * (hi - lo) > _DENSE_MAX_TOKEN_ROWS:
         return None
     dev = meta.token_indices.device
     seg = meta.seg_starts.long()
     group = torch.repeat_interleave(torch.arange(seg.numel() - 1, device=dev), seg[1:] - seg[:-1],
-                                    output_size=meta.token_indices.numel())
+                                    output_size=tok.numel())
     r = torch.arange(meta.max_rank, device=dev)
     valid = r[None, :] < meta.ranks.long()[group][:, None]
     rows = torch.where(valid, meta.row_start.long()[group][:, None] - lo + r[None, :], 0)
@@ -208,24 +236,25 @@ def _dense_span(meta):
 
 def _shrink_dense(x, lora_a, meta, out, span):
     lo, hi, rows, valid, _ = span
-    xs = x[meta.token_indices].to(lora_a.dtype)  # [T, in]
+    tok = _tokens(meta)
+    xs = x[tok].to(lora_a.dtype)  # [T, in]
     full = torch.matmul(xs, lora_a[:, lo:hi].transpose(1, 2)).float()  # [S, T, span]
     own = torch.gather(full, 2, rows[None].expand(full.shape[0], -1, -1))  # [S, T, r]
-    out.copy_(own.masked_fill_(~valid[None], 0))
+    out[:, :tok.numel()].copy_(own.masked_fill_(~valid[None], 0))
     return out
 
 
 def _expand_dense(buf, lora_b, offs, meta, y, span):
     lo, hi, rows, valid, scaling = span
     S, T = len(offs) - 1, rows.shape[0]
-    coef = buf[:S, :, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]
+    coef = buf[:S, :T, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]
     dense = torch.zeros((S, T, hi - lo), dtype=torch.float32, device=y.device)
     dense.scatter_add_(2, rows[None].expand(S, -1, -1), coef)  # invalid slots add 0 at row 0
     b = lora_b[lo:hi]
     delta = torch.empty((T, offs[-1]), dtype=torch.float32, device=y.device)
     for s in range(S):  # a loop over output slices (q/k/v), not over tokens or adapters
         delta[:, offs[s]:offs[s + 1]] = (dense[s].to(b.dtype) @ b[:, offs[s]:offs[s + 1]]).float()
-    y.index_add_(0, meta.token_indices, delta.to(y.dtype))
+    y.index_add_(0, _tokens(meta), delta.to(y.dtype))
     return y
 
 

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# P (the step's token-expert pairs) is not specialised on: a new value must never mean a new compile mid-serving.
+@triton.jit(do_not_specialize=["P"])
 def _gate_up_kernel(
     x_ptr, w_ptr, h_ptr, sorted_ptr, bexp_ptr,
     stride_xt, stride_we, stride_wn, stride_hm,
@@ -60,7 +61,7 @@ def _gate_up_kernel(
              mask=valid[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
     stride_hm, stride_we, stride_wn, stride_op,
@@ -162,32 +163,35 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, block_m=None)
     return torch.sum(per_pair.view(T, K, H), dim=1, out=out)
 
 
+def _expert_pairs(topk_ids: torch.Tensor, E: int):
+    """(expert, pair ids, token ids) for each expert that received tokens; pair id = token * K + k."""
+    K = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(ids, stable=True)
+    start = 0
+    for e, n in enumerate(torch.bincount(ids, minlength=E).tolist()):
+        if n:
+            pairs = order[start:start + n]
+            start += n
+            yield e, pairs, pairs // K
+
+
+def _silu_mul(gu: torch.Tensor, I: int) -> torch.Tensor:
+    """SiLU(gate) * up, computed in float32 for half inputs."""
+    if gu.dtype == torch.float32:
+        return F.silu(gu[:, :I]) * gu[:, I:]
+    return (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(gu.dtype)
+
+
 def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, out=None):
     """Loop over the experts that received tokens: gather, two matmuls, silu-and-mul, scale, scatter-add."""
     T, H = x.shape
     E, two_i, _ = w13.shape
-    I = two_i // 2
-    K = topk_ids.shape[1]
     acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)  # sums over K in float32
-    if T > 0:
-        ids = topk_ids.reshape(-1).long()
-        order = torch.argsort(ids, stable=True)
-        counts = torch.bincount(ids, minlength=E).tolist()
-        tw = topk_weights.reshape(-1).float()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tok = pairs // K
-            gu = x.index_select(0, tok) @ w13[e].t()  # [n, 2I]
-            if x.dtype == torch.float32:
-                h = F.silu(gu[:, :I]) * gu[:, I:]
-            else:
-                h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)
-            y = (h @ w2[e].t()).float() * tw[pairs, None]
-            acc.index_add_(0, tok, y)
+    tw = topk_weights.reshape(-1).float()
+    for e, pairs, tok in _expert_pairs(topk_ids, E):
+        h = _silu_mul(x.index_select(0, tok) @ w13[e].t(), two_i // 2)
+        acc.index_add_(0, tok, (h @ w2[e].t()).float() * tw[pairs, None])
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc)
@@ -216,40 +220,26 @@ def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None)
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
-    K = topk_ids.shape[1]
     acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    if T > 0:
-        groups = _token_groups(meta, T, x.device)
-        ids = topk_ids.reshape(-1).long()
-        order = torch.argsort(ids, stable=True)
-        counts = torch.bincount(ids, minlength=E).tolist()
-        tw = topk_weights.reshape(-1).float()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tok = pairs // K
-            xe = x.index_select(0, tok)
-            gu = xe @ w13[e].t()  # [n, 2I]
-            sel = [(g, m[tok].nonzero().squeeze(1)) for g, m in groups]
-            sel = [(g, rows) for g, rows in sel if rows.numel()]
-            for g, rows in sel:
-                r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
-                xs = xe[rows]
-                for si in range(2):
-                    d = (xs @ a13[e, si, r0:r0 + rk].t()) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I]
-                    gu[rows, si * I:(si + 1) * I] += s * d
-            if x.dtype == torch.float32:
-                h = F.silu(gu[:, :I]) * gu[:, I:]
-            else:
-                h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)
-            y = h @ w2[e].t()
-            for g, rows in sel:
-                r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
-                y[rows] += s * ((h[rows] @ a2[e, 0, r0:r0 + rk].t()) @ b2[e, r0:r0 + rk])
-            acc.index_add_(0, tok, y.float() * tw[pairs, None])
+    groups = _token_groups(meta, T, x.device) if T else []
+    tw = topk_weights.reshape(-1).float()
+    for e, pairs, tok in _expert_pairs(topk_ids, E):
+        xe = x.index_select(0, tok)
+        gu = xe @ w13[e].t()  # [n, 2I]
+        sel = [(g, m[tok].nonzero().squeeze(1)) for g, m in groups]
+        sel = [(g, rows) for g, rows in sel if rows.numel()]
+        for g, rows in sel:
+            r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
+            xs = xe[rows]
+            for si in range(2):
+                d = (xs @ a13[e, si, r0:r0 + rk].t()) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I]
+                gu[rows, si * I:(si + 1) * I] += s * d
+        h = _silu_mul(gu, I)
+        y = h @ w2[e].t()
+        for g, rows in sel:
+            r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
+            y[rows] += s * ((h[rows] @ a2[e, 0, r0:r0 + rk].t()) @ b2[e, r0:r0 + rk])
+        acc.index_add_(0, tok, y.float() * tw[pairs, None])
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc)

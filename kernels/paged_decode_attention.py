@@ -3,8 +3,10 @@
 Two Triton paths:
 - one program per (sequence, kv head) that walks the whole context, holding all q heads of the kv
   group as the rows of one tile (K/V are read once per group);
-- flash-decoding for long contexts with few sequences: the context is split into partitions, each
-  program writes its partition's (max, sum, normalised out), and a reduction kernel merges them.
+- flash-decoding for long contexts with few sequences: each sequence's visible context is split into
+  (up to) `num_splits` partitions of its own length, each program writes its partition's (max, sum, normalised
+  out), and a reduction kernel merges them. Partitions are sized on the device from each sequence's length, so
+  a launch's integers do not depend on the step's contexts (what a CUDA graph captured for a batch size needs).
 The reference gathers K/V through the block table and runs SDPA with a length mask.
 
 Options (docs/CONTRACTS.md): `sliding_window` W - the query at position p = seq_len - 1 sees keys at positions
@@ -25,6 +27,15 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keep
 
 
 @triton.jit
+def _part_size(ctx, num_splits, min_part, BLOCK_N: tl.constexpr):
+    """Tokens per partition of a sequence with `ctx` visible keys: an even share in whole tiles, >= min_part."""
+    part = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(part, min_part)
+
+
+# Integers that vary with the step (the split count, the partial buffers' strides) are not specialised on: a new
+# value must never mean a new compile while serving.
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_mb", "stride_mh", "min_part"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh,
@@ -32,7 +43,7 @@ def _decode_kernel(
     stride_btb,
     stride_ob, stride_oh, stride_os,  # out [B,H,D] (stride_os unused) or partial out [B,H,NS,D]
     stride_mb, stride_mh,  # partial max / sum [B,H,NS]
-    scale_log2e, part_size, window, cap_in, cap_out,
+    scale_log2e, min_part, window, cap_in, cap_out,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -44,11 +55,12 @@ def _decode_kernel(
     lo = 0
     if HAS_WINDOW:  # the first key the query (at seq_len - 1) sees
         lo = tl.maximum(seq_len - window, 0)
-    if SPLIT:  # partitions tile [lo, seq_len)
-        start = lo + split * part_size
-        if start >= seq_len:  # empty partition: the reduction ignores it (it masks by seq_len - lo)
+    if SPLIT:  # this sequence's partitions tile [lo, seq_len)
+        part = _part_size(seq_len - lo, tl.num_programs(2), min_part, BLOCK_N)
+        start = lo + split * part
+        if start >= seq_len:  # empty partition: the reduction ignores it (it counts the written ones)
             return
-        end = tl.minimum(seq_len, start + part_size)
+        end = tl.minimum(seq_len, start + part)
     else:
         start = lo
         end = seq_len
@@ -96,29 +108,42 @@ def _decode_kernel(
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_mb", "stride_mh", "num_splits", "min_part"])
 def _decode_reduce_kernel(
     po_ptr, m_ptr, l_ptr, sl_ptr, o_ptr,
     stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
-    part_size, window, D: tl.constexpr, D_PAD: tl.constexpr, NS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    num_splits, min_part, window,
+    D: tl.constexpr, D_PAD: tl.constexpr, NS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
+    """Merges a sequence's written partitions, NS_BLOCK at a time: one compiled variant for any split count."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(sl_ptr + b)
     ctx = seq_len
     if HAS_WINDOW:
         ctx = tl.minimum(seq_len, window)
-    n_valid = tl.cdiv(ctx, part_size)  # partitions that were written
-    s = tl.arange(0, NS_PAD)
+    n_valid = tl.cdiv(ctx, _part_size(ctx, num_splits, min_part, BLOCK_N))  # partitions that were written
+    s = tl.arange(0, NS_BLOCK)
     d = tl.arange(0, D_PAD)
-    smask = s < n_valid
-    m = tl.load(m_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=_NEG)
-    l = tl.load(l_ptr + b * stride_mb + h * stride_mh + s, mask=smask, other=0.0)
-    w = l * tl.exp2(m - tl.max(m, 0))
-    wsum = tl.sum(w, 0)
-    po = tl.load(po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + s[:, None] * stride_ps + d[None, :],
-                 mask=smask[:, None] & (d < D)[None, :], other=0.0)
-    out = tl.sum(po * w[:, None], 0) / tl.where(wsum > 0, wsum, 1.0)
+    ml_row = b * stride_mb + h * stride_mh
+    m_max = tl.full([NS_BLOCK], _NEG, tl.float32)
+    for s0 in range(0, n_valid, NS_BLOCK):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + ml_row + s0 + s, mask=s0 + s < n_valid, other=_NEG))
+    m_all = tl.max(m_max, 0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    wsum = tl.zeros([NS_BLOCK], tl.float32)
+    po_row = po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+    for s0 in range(0, n_valid, NS_BLOCK):
+        smask = s0 + s < n_valid
+        m = tl.load(m_ptr + ml_row + s0 + s, mask=smask, other=_NEG)
+        l = tl.load(l_ptr + ml_row + s0 + s, mask=smask, other=0.0)
+        w = l * tl.exp2(m - m_all)
+        wsum += w
+        po = tl.load(po_row + (s0 + s)[:, None] * stride_ps + d[None, :], mask=smask[:, None] & (d < D)[None, :],
+                     other=0.0)
+        acc += tl.sum(po * w[:, None], 0)
+    total = tl.sum(wsum, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -146,13 +171,24 @@ def _auto_num_splits(q, B, KVH, max_ctx):
     programs = B * KVH
     if programs >= n_sm:
         return 1
-    # enough programs to fill the chip twice, partitions of at least 256 tokens
-    return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // 256, 128))
+    # enough programs to fill the chip twice, partitions of at least MIN_PART tokens
+    return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // MIN_PART, 128))
+
+
+MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others exit at once)
+NS_BLOCK = 16  # partitions the reduction merges per iteration
+
+
+def pad_dim(d: int) -> int:
+    """Head dims padded to a power of two, and to 16 at least: tl.dot needs K >= 16."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
                                   sliding_window=None, softcap=None, num_splits=None, block_n=None):
-    """num_splits: None = automatic, 1 = single pass, >1 = flash-decoding with that many partitions."""
+    """num_splits: None = automatic (from the batch size and the block table's width, never from the contexts:
+    a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
+    many partitions per sequence."""
     B, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -161,16 +197,16 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    d_pad = triton.next_power_of_2(D)
+    d_pad = pad_dim(D)
     if block_n is None:
         block_n = 64 if d_pad <= 128 else 32
     max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
     if sliding_window is not None:
         max_ctx = min(max_ctx, sliding_window)  # keys one query can see
+    min_part = block_n
     if num_splits is None:
-        num_splits = _auto_num_splits(q, B, KVH, max_ctx)
-    part_size = triton.cdiv(triton.cdiv(max_ctx, max(num_splits, 1)), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_ctx, part_size))
+        num_splits, min_part = _auto_num_splits(q, B, KVH, max_ctx), MIN_PART
+    num_splits = max(1, min(num_splits, triton.cdiv(max_ctx, block_n)))
     common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
                   HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=4)
@@ -181,7 +217,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
             q, k_cache, v_cache, block_tables, seq_lens, out, out, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
-            scale_log2e, max_ctx, window, cap_in, cap_out, SPLIT=False, **common)
+            scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
         return out
     po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
@@ -190,11 +226,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         q, k_cache, v_cache, block_tables, seq_lens, po, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
-        scale_log2e, part_size, window, cap_in, cap_out, SPLIT=True, **common)
+        scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
     _decode_reduce_kernel[(B, H)](
         po, m, l, seq_lens, out,
         po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-        part_size, window, D=D, D_PAD=d_pad, NS_PAD=triton.next_power_of_2(num_splits),
+        num_splits, min_part, window, D=D, D_PAD=d_pad, NS_BLOCK=NS_BLOCK, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, num_warps=4)
     return out
 

@@ -16,13 +16,16 @@ from loom.kernels.paged_decode_attention import (
     _NEG,
     _dot_precision,
     gather_kv,
+    pad_dim,
     paged_decode_attention_ref,
     sdpa_gqa,
     softcap_args,
 )
 
 
-@triton.jit
+# The decode/prefill split of a mixed step puts the prefill part's q, out and metadata at any row offset: their
+# pointers are not specialised on alignment (an offset must never mean a new compile while serving).
+@triton.jit(do_not_specialize_on_alignment=["q_ptr", "o_ptr", "cu_ptr", "sl_ptr", "bt_ptr"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, sl_ptr, bt_ptr, o_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -98,7 +101,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
     S = seq_lens.shape[0]
     if T == 0 or S == 0:
         return out
-    d_pad = triton.next_power_of_2(D)
+    d_pad = pad_dim(D)
     if block_m is None:
         # short queries (decode-like batches) waste less of a small tile
         block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or d_pad > 128 else 64)

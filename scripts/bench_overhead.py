@@ -126,8 +126,8 @@ def noop_forward(engine, prepare=None):
     pool = torch.randn(max(engine.config.max_num_seqs, 1), runner.vocab_size, device=runner.device)
     prep = prepare or runner.prepare
 
-    def run(batch, lora, extra_rows=None, token_fill=None):
-        ids, ctx, sampled = prep(batch, lora, extra_rows, token_fill)
+    def run(batch, lora, extra_rows=None, fill=None):
+        ids, ctx, sampled = prep(batch, lora, extra_rows, fill=fill)
         return pool[:len(sampled)], sampled
     return run
 
@@ -216,7 +216,7 @@ def measure_sampler(num_seqs: int, args) -> dict:
     from loom.engine.sampling_params import SamplingParams
     from loom.engine.sampling_state import SamplingState
     from loom.engine.sequence import Sequence
-    from loom.engine.staging import Staging
+    from loom.engine.step_buffers import StepBuffers
 
     V = args.sampler_vocab
     dev = torch.device(args.device)
@@ -226,7 +226,7 @@ def measure_sampler(num_seqs: int, args) -> dict:
     out = {"num_seqs": num_seqs, "vocab": V}
 
     def batch_of(params: SamplingParams):
-        state = SamplingState(V, dev, Staging(dev))
+        state = SamplingState(V, dev, StepBuffers({}, dev))
         seqs = [Sequence(f"x{i}", [5, 6, 7], params, i) for i in range(num_seqs)]
         rows = np.asarray([state.join(s, (2,)) for s in seqs], dtype=np.int64)
         return state, seqs, rows
@@ -235,6 +235,7 @@ def measure_sampler(num_seqs: int, args) -> dict:
         state, seqs, rows = batch_of(params)
 
         def call():
+            state.buffers.begin()
             b, _ = state.batch(seqs, rows)
             return sampler(logits, b).token_ids.cpu()
         return call
@@ -281,8 +282,8 @@ def measure_overlap(model_dir: str, num_seqs: int, args) -> dict:
         dev = FakeDevice(args.device_ms / 1e3)
         forward = noop_forward(engine)
 
-        def run(batch, lora, extra_rows=None, token_fill=None, forward=forward, dev=dev):
-            out = forward(batch, lora, extra_rows, token_fill)
+        def run(batch, lora, extra_rows=None, fill=None, forward=forward, dev=dev):
+            out = forward(batch, lora, extra_rows, fill=fill)
             dev.launch()
             return out
         engine.runner.run = run

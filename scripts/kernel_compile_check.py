@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loom.kernels import activation, kv_store, lora, norm, rotary  # noqa: E402
+from loom.kernels import activation, kv_store, lora, moe, norm, rotary  # noqa: E402
 
 # loom.kernels re-exports functions of the same names as these modules: import the modules by path
 pda = importlib.import_module("loom.kernels.paged_decode_attention")
@@ -62,7 +62,7 @@ class _Compiler:
         return launch
 
 
-for mod in (kv_store, activation, norm, rotary, lora, pda, ppa):
+for mod in (kv_store, activation, norm, rotary, lora, moe, pda, ppa):
     for k, v in list(vars(mod).items()):
         if isinstance(v, triton.runtime.jit.JITFunction) and k.endswith("_kernel"):  # launched ones only
             setattr(mod, k, _Compiler(v))
@@ -86,7 +86,7 @@ def main(argv):
         norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), None, torch.zeros(96, dtype=dt), 1e-5)
         rotary.rotary_embedding_triton(torch.zeros(T, dtype=torch.int64), torch.zeros(T, 9, 64, dtype=dt),
                                                torch.zeros(T, 3, 64, dtype=dt), torch.zeros(16, 64))
-        for hd, grp, bs in ((128, 4, 16), (64, 3, 32), (256, 1, 16)):
+        for hd, grp, bs in ((128, 4, 16), (64, 3, 32), (256, 1, 16), (8, 2, 16)):  # head_dim 8: tl.dot K >= 16
             kc = torch.zeros(8, bs, 2, hd, dtype=dt)
             bt = torch.zeros(2, 4, dtype=torch.int32)
             sl = torch.ones(2, dtype=torch.int32)
@@ -96,6 +96,10 @@ def main(argv):
             cu = torch.tensor([0, 1, 2], dtype=torch.int32)
             for mq in (1, 100):
                 ppa.paged_prefill_attention_triton(q, kc, kc, cu, sl, bt, mq, 0.1)
+        for T, E, K in ((3, 8, 2), (300, 8, 2)):  # fused MoE: decode- and prefill-sized tiles
+            x, ids = torch.zeros(T, 128, dtype=dt), torch.zeros(T, K, dtype=torch.int64)
+            moe.fused_moe_triton(x, torch.zeros(E, 192, 128, dtype=dt), torch.zeros(E, 128, 96, dtype=dt),
+                                 torch.zeros(T, K), ids)
         meta, R, _ = kcases.make_lora_meta(20, [1, 8, 64], "cpu")
         x = torch.zeros(20, 128, dtype=dt)
         for sk in (1, 2):

@@ -4,20 +4,44 @@ A full block is cached under the key (parent entry id, adapter version, its toke
 keys by equality, so a hash collision can never return another prefix's KV; the parent *entry id*
 (not the parent's hash) chains blocks, and an id dies with its entry, so a stale chain never matches.
 Plain Python over integers: no torch here.
+
+Bookkeeping grows with the blocks in use or cached, never with the cache's size: a small model given most of a
+large GPU has tens of millions of blocks, and one Python object (or free-list entry) per block would take
+seconds and gigabytes at start. Blocks never used yet are the range [next_fresh, num_blocks); a freed block
+goes to the plain free list (reused first, last freed first) or, when it holds registered content, to the
+cached free pool (reused last, least recently freed first, its content findable until then).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from loom.engine.sequence import Sequence
 
 
-@dataclass
-class _Block:
-    ref_count: int = 0
-    key: tuple | None = None  # prefix-cache key when the block is full and registered
-    entry_id: int = 0  # identity of the registered content (0 = none)
+class BlockInfo(NamedTuple):
+    ref_count: int
+    key: tuple | None  # prefix-cache key when the block is full and registered
+    entry_id: int  # identity of the registered content (0 = none)
+
+
+class _BlockView:
+    """Read-only per-block view (tests and debugging): bm.blocks[i].ref_count / .key / .entry_id."""
+
+    def __init__(self, bm: "BlockManager"):
+        self._bm = bm
+
+    def __len__(self) -> int:
+        return self._bm.num_blocks
+
+    def __getitem__(self, block_id: int) -> BlockInfo:
+        if not 0 <= block_id < self._bm.num_blocks:
+            raise IndexError(block_id)
+        key, entry = self._bm._content.get(block_id, (None, 0))
+        return BlockInfo(self._bm._refs.get(block_id, 0), key, entry)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 class BlockManager:
@@ -27,20 +51,26 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [_Block() for _ in range(num_blocks)]
-        # Blocks with ref_count 0, oldest first; cached ones stay findable until reused.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._refs: dict[int, int] = {}  # block id -> ref count, for blocks in use only
+        self._content: dict[int, tuple[tuple, int]] = {}  # block id -> (key, entry id) of registered blocks
+        self._next_fresh = 0  # blocks [next_fresh, num_blocks) were never used
+        self._free_plain: list[int] = []  # free, nothing cached: reused first (a stack)
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # free with cached content, oldest first
         self.cached: dict[tuple, int] = {}  # key -> block id
         self._next_entry_id = 1
+        self.blocks = _BlockView(self)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self._free_plain) + (self.num_blocks - self._next_fresh) + len(self._free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return len(self._refs)
+
+    def entry_id(self, block_id: int) -> int:
+        return self._content[block_id][1]
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -51,7 +81,8 @@ class BlockManager:
         return (parent_entry, adapter_version, tuple(tokens))
 
     def match_prefix(self, seq: Sequence) -> None:
-        """Attach the longest cached prefix of a sequence that has no blocks yet (at least one token is left to compute)."""
+        """Attach the longest cached prefix of a sequence that has no blocks yet (one token at least is left to
+        compute)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.prompt_logprobs_pending:
             return  # prompt logprobs need every prompt position computed (vLLM skips the cache for them too)
@@ -63,7 +94,7 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-            parent = self.blocks[block_id].entry_id
+            parent = self._content[block_id][1]
         for block_id in hits:
             self._ref(block_id)
         seq.block_table = hits
@@ -76,14 +107,13 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = seq.num_computed_tokens // bs
-        parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].entry_id if seq.num_hashed_blocks else 0
+        parent = self.entry_id(seq.block_table[seq.num_hashed_blocks - 1]) if seq.num_hashed_blocks else 0
         for i in range(seq.num_hashed_blocks, n_full):
             block_id = seq.block_table[i]
-            block = self.blocks[block_id]
             key = self._key(parent, seq.adapter_version, seq.token_ids[i * bs:(i + 1) * bs])
             existing = self.cached.get(key)
             if existing is None:
-                block.key, block.entry_id = key, self._next_entry_id
+                self._content[block_id] = (key, self._next_entry_id)
                 self._next_entry_id += 1
                 self.cached[key] = block_id
             elif existing != block_id:
@@ -93,30 +123,34 @@ class BlockManager:
                 self._ref(existing)
                 seq.block_table[i] = existing
                 self._unref(block_id)
-            parent = self.blocks[seq.block_table[i]].entry_id
+            parent = self.entry_id(seq.block_table[i])
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
 
     # ---- allocation ----------------------------------------------------------------------------
     def _ref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free[block_id]
-        block.ref_count += 1
+        n = self._refs.get(block_id, 0)
+        if n == 0:  # a free block is found again only through the cache
+            del self._free_cached[block_id]
+        self._refs[block_id] = n + 1
 
     def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.key is not None:  # evict its cached content
-            if self.cached.get(block.key) == block_id:
-                del self.cached[block.key]
-            block.key, block.entry_id = None, 0
-        block.ref_count = 1
+        if self._free_plain:
+            block_id = self._free_plain.pop()
+        elif self._next_fresh < self.num_blocks:
+            block_id = self._next_fresh
+            self._next_fresh += 1
+        else:  # evict the least recently freed cached content
+            block_id, _ = self._free_cached.popitem(last=False)
+            key, _ = self._content.pop(block_id)
+            if self.cached.get(key) == block_id:
+                del self.cached[key]
+        self._refs[block_id] = 1
         return block_id
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of seq; False (and nothing changed) if blocks run out."""
         need = self.blocks_needed(seq, num_new_tokens)
-        if need > len(self.free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
@@ -129,7 +163,7 @@ class BlockManager:
         assert not dst.block_table
         bs = self.block_size
         n_full, rest = divmod(src.num_computed_tokens, bs)
-        if rest and not self.free:
+        if rest and not self.num_free_blocks:
             return False
         for block_id in src.block_table[:n_full]:
             self._ref(block_id)
@@ -144,12 +178,15 @@ class BlockManager:
         return copy
 
     def _unref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free[block_id] = None
-            if block.key is None:  # nothing worth keeping: reuse first
-                self.free.move_to_end(block_id, last=False)
+        n = self._refs[block_id] - 1
+        if n:
+            self._refs[block_id] = n
+            return
+        del self._refs[block_id]
+        if block_id in self._content:  # keep it findable; reused last
+            self._free_cached[block_id] = None
+        else:  # nothing worth keeping: reuse first
+            self._free_plain.append(block_id)
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.

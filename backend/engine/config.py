@@ -32,6 +32,10 @@ class EngineConfig:
     # experts take them). 0 = expert LoRA refused. Mixtral-8x7B in bf16: 27 MiB per rank row.
     lora_expert_memory_bytes: int = 0
     max_host_adapters: int = 64  # adapters kept in (pinned) host memory after eviction from the device
+    # CUDA: decode steps of up to cuda_graph_max_batch sequences replay CUDA graphs captured at start (one per
+    # batch-size bucket); False = every step eager. Ignored on CPU.
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 0  # 0 = min(max_num_seqs, max_num_batched_tokens, 256)
     # Bounds on requests
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
     seed: int = 0
@@ -61,6 +65,9 @@ class EngineConfig:
               "lora_expert_memory_bytes", "must be an integer >= 0 (0 = no LoRA on MoE experts)")
         check(isinstance(self.async_scheduling, bool), "async_scheduling", "must be true or false")
         check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
+        check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
+        check(isinstance(self.cuda_graph_max_batch, int) and 0 <= self.cuda_graph_max_batch <= 4096,
+              "cuda_graph_max_batch", f"must be in [0, 4096] (0 = automatic), got {self.cuda_graph_max_batch!r}")
         check(isinstance(self.adapter_roots, list) and all(isinstance(r, str) for r in self.adapter_roots), "adapter_roots", "must be a list of directory paths")
         for r in self.adapter_roots:
             check(os.path.isdir(r), "adapter_roots", f"{r!r} is not an existing directory")

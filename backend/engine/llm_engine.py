@@ -24,14 +24,13 @@ from loom.engine.config import EngineConfig
 from loom.engine.cpu import tune_mkl_for_amd
 from loom.engine.faults import is_sticky_device_error
 from loom.engine.logits_processors import build_constraints
-from loom.engine.model_runner import ModelRunner
+from loom.engine.model_runner import ModelRunner, TokenFill
 from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
 from loom.engine.sampler import Sampler, SamplingBatch
 from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
-from loom.engine.staging import Staging
 from loom.errors import RequestError
 from loom.lora.adapter_registry import AdapterRegistry
 
@@ -99,14 +98,14 @@ class LLMEngine:
         self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device, self.runner.dtype)
+        self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)
         self.sampler = Sampler()
-        self.staging = Staging(self.runner.device)
         # Per-request sampling state kept across steps; None = the simple path (SamplingBatch.build from the
         # sequences' lists every step; kept as the reference the tests compare with, synchronous only).
         self.sampling_state: SamplingState | None = SamplingState(self.runner.vocab_size, self.runner.device,
-                                                                  self.staging)
+                                                                  self.runner.buffers)
         self.async_scheduling = bool(getattr(config, "async_scheduling", False))
         self._inflight: _Launched | None = None  # async scheduling: the step still running on the device
         self._num_adapter_seqs = 0  # unfinished sequences with an adapter (0: no step builds LoRA metadata)
@@ -345,7 +344,7 @@ class LLMEngine:
             self._step_failed(launched.batch.seqs, e)
             return []
 
-    def _token_fill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _token_fill(self, batch: ScheduledBatch) -> TokenFill | None:
         """Async scheduling: where this step's input ids are tokens the step in flight is still sampling
         (flat input positions, and those tokens on the device)."""
         prev = self._inflight
@@ -363,8 +362,7 @@ class LLMEngine:
             off += n
         if not pos:
             return None
-        pos_t, src_t = self.staging.upload([np.asarray(pos, np.int64), np.asarray(src, np.int64)], torch.int64)
-        return pos_t, prev.tokens.index_select(0, src_t)
+        return np.asarray(pos, np.int64), np.asarray(src, np.int64), prev.tokens
 
     def _launch(self, batch: ScheduledBatch) -> "_Launched":
         """Queue the step's device work (forward, sampling, the copy of its results to the host); no sync."""
@@ -373,7 +371,7 @@ class LLMEngine:
             lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
         plp_rows, plp_targets = self._prompt_logprob_rows(batch) if self._num_plp_seqs else ([], [])
         fill = self._token_fill(batch)
-        extra = {"token_fill": fill} if fill is not None else {}
+        extra = {"fill": fill} if fill is not None else {}
         if plp_rows:
             logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows], **extra)
         else:
@@ -446,13 +444,13 @@ class LLMEngine:
         # everything the host needs from the step in one device-to-host copy
         tok = out.token_ids
         if out.logprobs is None:
-            launched.host = self.staging.download(tok)
+            launched.host = self.runner.buffers.download(tok)
         else:
             parts = [tok.double(), out.logprobs.double()]
             if out.topk_ids is not None:
                 parts += [out.topk_ids.double().flatten(), out.topk_logprobs.double().flatten()]
                 launched.k = out.topk_ids.shape[1]
-            launched.host = self.staging.download(torch.cat(parts))
+            launched.host = self.runner.buffers.download(torch.cat(parts))
         launched.event = self._new_event()
         launched.seqs, launched.tokens, launched.lp_pos = seqs, tok, lp_pos
         launched.processors = sb.processors

@@ -1,23 +1,34 @@
 """Owns the model and the KV cache; flattens a scheduled step into one batch and runs it.
 
-Input preparation is vectorized with numpy over the step's tokens; the only per-sequence Python work
-is slicing each sequence's new token ids and block table into the batch arrays.
+Input preparation is vectorized with numpy over the step's tokens, written into persistent buffers
+(loom.engine.step_buffers: pinned and copied once per dtype on CUDA); the only per-sequence Python work is
+slicing each sequence's new token ids and block table. Block tables are as wide as max_model_len (so kernel
+arguments never change with the step) and hold stale ids past each sequence's blocks, which are never read.
+
+Decode-only steps replay CUDA graphs (loom.engine.cuda_graphs) when they are on; prefills, mixed steps and
+anything else run eagerly here, which is also the reference the graph path is tested against.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from loom.device import bind_thread, resolve_device
 from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
 
+# async scheduling: (flat input positions, rows of the tokens tensor, the step in flight's sampled tokens on the
+# device): input ids that step is still sampling
+TokenFill = tuple[np.ndarray, np.ndarray, torch.Tensor]
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
-        self.device = config.torch_device
+        self.device = resolve_device(config.torch_device)  # cuda -> cuda:<current>: other threads bind to it
+        bind_thread(self.device)
         hf_cfg = load_hf_config(model_dir)
         self.dtype = config.resolve_dtype(checkpoint_dtype(hf_cfg))
         model_max = int(getattr(hf_cfg, "max_position_embeddings", 4096) or 4096)
@@ -26,15 +37,42 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len)
         self.vocab_size = hf_cfg.vocab_size
         self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_len // self.block_size)
         attn = self.model.attention_layers()
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.buffers = self._make_buffers()
+        self.graphs = None  # loom.engine.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
+        self.warmup = None  # loom.engine.warmup.WarmupReport once warm_up() ran
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One preallocated tensor for the whole cache; each layer gets views of it.
         self.kv_cache = torch.zeros((self.num_layers, 2) + shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def _make_buffers(self):
+        from loom.engine.step_buffers import StepBuffers
+
+        t, s, lb = self.max_num_tokens, self.max_num_seqs, self.graph_max_batch()
+        i64, i32 = torch.int64, torch.int32
+        return StepBuffers({
+            "input_ids": (i64, t), "positions": (i64, t), "slot_mapping": (i64, t),
+            "fill_pos": (i64, s), "fill_src": (i64, s), "logits_indices": (i64, s + t),
+            "lora_tokens": (i64, lb),
+            "cu_seqlens": (i32, s + 1), "prefill_cu": (i32, s + 1), "seq_lens": (i32, s),
+            "lora_seg": (i32, lb + 1), "lora_rows": (i32, lb), "lora_ranks": (i32, lb),
+            "block_tables": (i32, s * self.max_blocks_per_seq),
+            "lora_scalings": (torch.float32, lb),
+        }, self.device)
+
+    def graph_max_batch(self) -> int:
+        """The largest decode batch replayed as a CUDA graph (cuda_graph_max_batch; 0 = up to 256)."""
+        c = self.config
+        cap = c.cuda_graph_max_batch or 256
+        return max(1, min(cap, c.max_num_seqs, c.max_num_batched_tokens))
 
     # ---- KV sizing -----------------------------------------------------------------------------
     @property
@@ -46,7 +84,9 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if not budget:
             if self.device.type == "cuda":
-                budget = self._profile_free_cuda_memory()
+                from loom.engine.memory_profile import kv_cache_budget
+
+                budget = kv_cache_budget(self)
             else:
                 budget = 1 << 30
         n = budget // self.bytes_per_block
@@ -54,32 +94,31 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.bytes_per_block} bytes")
         return int(n)
 
-    def _profile_free_cuda_memory(self) -> int:
-        """Run the largest step once without a cache to see the activation peak; the rest is KV."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        t = min(self.config.max_num_batched_tokens, self.max_model_len)
-        ids = torch.zeros(t, dtype=torch.long, device=self.device)
-        pos = torch.arange(t, device=self.device)
-        with torch.inference_mode():
-            x = self.model.model.embed_tokens(ids)
-            self.model.compute_logits(x[-min(t, self.config.max_num_seqs):])
-            # Attention activations scale like the MLP's; approximate with one layer's MLP pass.
-            self.model.model.layers[0].mlp(x)
-        del ids, pos
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # the adapter registry allocates its LoRA pools after the cache: keep room for them
-        free = int(total * self.config.gpu_memory_utilization) - peak - (256 << 20) - self.config.lora_memory_bytes
-        if free <= 0:
-            raise ValueError("no GPU memory left for the KV cache: lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization")
-        return free
+    # ---- start-up --------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile every Triton variant this configuration can launch and capture the decode graphs, so that
+        serving never compiles. Call once the model is final (the adapter registry has attached its pools)."""
+        from loom.engine.warmup import warm_up
+
+        self.warmup = warm_up(self)
+
+    def enable_graph_emulation(self) -> None:
+        """CPU (tests): decode steps take the graph path - static buffers, batch-size buckets, padded rows - and
+        run it eagerly where CUDA would replay a captured graph."""
+        from loom.engine.cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, capture=False)
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None,
-                token_fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
+                extra_rows: list[int] | None = None, pad_to: int | None = None, fill: TokenFill | None = None,
                 ) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+        """Write the step into the persistent buffers; -> (input ids, forward context, sampled sequences).
+
+        pad_to (decode-only steps, the graph path): rows past the batch up to pad_to are padding - token 0 at
+        position 0, slot -1 (nothing stored), context length 0 (attention returns zeros) - and the context is
+        left to the caller (a graph reads the buffers it was captured with). fill (async scheduling): input ids
+        the step in flight is still sampling; staged here, written on the device by fill_ids() after the commit."""
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         s = len(seqs)
         starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
@@ -87,53 +126,84 @@ class ModelRunner:
         cu = np.zeros(s + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
         t = int(cu[-1])
-        ids = np.fromiter((tok for q, a, b in zip(seqs, starts.tolist(), ends.tolist()) for tok in q.token_ids[a:b]),
-                          dtype=np.int64, count=t)
+        rows = t if pad_to is None else pad_to
+        buf = self.buffers
+        buf.begin()
+        ids = buf.host("input_ids", rows)
+        ids[:t] = np.fromiter((tok for q, a, b in zip(seqs, starts.tolist(), ends.tolist())
+                               for tok in q.token_ids[a:b]), dtype=np.int64, count=t)
         seq_of_token = np.repeat(np.arange(s), counts)
-        positions = np.arange(t, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
-        max_blocks = max(len(q.block_table) for q in seqs)
-        tables = np.zeros((s, max_blocks), dtype=np.int32)
+        positions = buf.host("positions", rows)
+        positions[:t] = np.arange(t, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
+        width = self.max_blocks_per_seq
+        tables = buf.host("block_tables", max(s, rows if pad_to else 0), width)
         for i, q in enumerate(seqs):
             tables[i, :len(q.block_table)] = q.block_table
         bs = self.block_size
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = buf.host("slot_mapping", rows)
+        slots[:t] = tables[seq_of_token, positions[:t] // bs].astype(np.int64) * bs + positions[:t] % bs
+        seq_lens = buf.host("seq_lens", max(s, rows if pad_to else 0))
+        seq_lens[:s] = ends
+        if pad_to is not None:  # padding rows of a graph batch
+            ids[t:], positions[t:], slots[t:], seq_lens[s:] = 0, 0, -1, 0
+        if fill is not None:
+            k = len(fill[0])
+            buf.host("fill_pos", k)[:] = fill[0]
+            buf.host("fill_src", k)[:] = fill[1]
 
         # Sample only sequences whose known tokens are all computed after this step.
         sampled = [i for i, q in enumerate(seqs) if ends[i] == q.num_tokens]
-        logits_idx = cu[1:][sampled] - 1
+        n_rows = len(sampled) + (len(extra_rows) if extra_rows else 0)
+        logits_idx = buf.host("logits_indices", n_rows)
+        logits_idx[:len(sampled)] = cu[1:][sampled] - 1
         if extra_rows:  # more rows of the step's flat tokens (prompt logprobs), after the sampled ones
-            logits_idx = np.concatenate([logits_idx, np.asarray(extra_rows, dtype=np.int64)])
-
-        dev = self.device
-        to = lambda a, dt: torch.from_numpy(a).to(dev, dtype=dt, non_blocking=True)  # noqa: E731
-        seq_lens = ends.astype(np.int32)
+            logits_idx[len(sampled):] = extra_rows
         d = batch.num_decode_seqs
-        decode = prefill = None
-        if d:
-            decode = AttentionMeta(to(cu[:d + 1], torch.int32), to(seq_lens[:d], torch.int32),
-                                   to(tables[:d], torch.int32), 1, int(seq_lens[:d].max()))
+        if pad_to is not None:
+            return None, None, sampled  # the caller stages its LoRA rows and commits
+        cu_h = buf.host("cu_seqlens", d + 1)
+        cu_h[:] = cu[:d + 1]
         if d < s:
-            pcu = cu[d:] - cu[d]
-            prefill = AttentionMeta(to(pcu, torch.int32), to(seq_lens[d:], torch.int32), to(tables[d:], torch.int32),
-                                    int(counts[d:].max()), int(seq_lens[d:].max()))
-        ctx = ForwardContext(positions=to(positions, torch.int64), slot_mapping=to(slots, torch.int64),
+            buf.host("prefill_cu", s - d + 1)[:] = cu[d:] - cu[d]
+        buf.commit()
+
+        dev = buf.device_view
+        decode = prefill = None
+        max_k = width * bs
+        if d:
+            decode = AttentionMeta(dev("cu_seqlens", d + 1), dev("seq_lens", d), dev("block_tables", d, width), 1,
+                                   max_k)
+        if d < s:
+            prefill = AttentionMeta(dev("prefill_cu", s - d + 1), dev("seq_lens", s)[d:],
+                                    dev("block_tables", s, width)[d:], int(counts[d:].max()), max_k)
+        ctx = ForwardContext(positions=dev("positions", t), slot_mapping=dev("slot_mapping", t),
                              num_decode_seqs=d, decode=decode, prefill=prefill,
-                             logits_indices=to(logits_idx, torch.int64), lora=lora)
-        ids_t = to(ids, torch.int64)
-        if token_fill is not None:  # async scheduling: ids the previous step is still sampling, on the device
-            ids_t.index_copy_(0, token_fill[0], token_fill[1])
-        return ids_t, ctx, sampled
+                             logits_indices=dev("logits_indices", n_rows), lora=lora)
+        ids_dev = dev("input_ids", t)
+        self.fill_ids(ids_dev, fill)
+        return ids_dev, ctx, sampled
+
+    def fill_ids(self, ids: torch.Tensor, fill: TokenFill | None) -> None:
+        """Async scheduling: write the tokens the step in flight is sampling over their placeholders in the
+        committed input ids, on the device (no host sync)."""
+        if fill is not None:
+            dev, k = self.buffers.device_view, len(fill[0])
+            ids.index_copy_(0, dev("fill_pos", k), fill[2].index_select(0, dev("fill_src", k)))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None,
-            token_fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, list[int]]:
+            fill: TokenFill | None = None) -> tuple[torch.Tensor, list[int]]:
         """Returns float32 logits of the sampled sequences and their indices into batch.seqs; with `extra_rows`
-        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows. `token_fill`
-        (flat input positions, device token ids): input ids that are not known on the host yet (async
-        scheduling), written over the uploaded ids on the device. Nothing here waits for the device."""
-        ids, ctx, sampled = self.prepare(batch, lora, extra_rows, token_fill)
+        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows. `fill` (async
+        scheduling): input ids not known on the host yet, taken on the device from the step in flight.
+        No host sync on CUDA: the logits come back as a device tensor still being computed."""
+        if self.graphs is not None and not extra_rows:
+            out = self.graphs.run(batch, lora, fill)
+            if out is not None:
+                return out
+        ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with forward_context(ctx):
             hidden = self.model(ids, ctx.positions)
             logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled or extra_rows
-                      else hidden.new_empty((0, self.vocab_size)))
+                      else hidden.new_empty((0, self.vocab_size), dtype=torch.float32))
         return logits, sampled

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from loom.engine.logits_processors import ProcessorBatch
 from loom.engine.sampler import SAMPLING_EPS, SamplingBatch
-from loom.engine.staging import Staging
+from loom.engine.step_buffers import StepBuffers
 
 # Row flags
 GREEDY = 1
@@ -50,8 +50,8 @@ class _Pack:
         self.parts.append(np.asarray(a, dtype=np.int64).reshape(-1))
         return len(self.parts) - 1
 
-    def upload(self, staging: Staging) -> None:
-        self.dev = staging.upload(self.parts, torch.int64) if self.parts else []
+    def upload(self, buffers: StepBuffers) -> None:
+        self.dev = buffers.upload(self.parts, torch.int64) if self.parts else []
 
     def __getitem__(self, i: int) -> Tensor:
         return self.dev[i]
@@ -68,10 +68,10 @@ class StepRows:
 
 
 class SamplingState:
-    def __init__(self, vocab_size: int, device: torch.device | str, staging: Staging, eos_token_ids=()):
+    def __init__(self, vocab_size: int, device: torch.device | str, buffers: StepBuffers, eos_token_ids=()):
         self.V = int(vocab_size)
         self.device = torch.device(device)
-        self.staging = staging
+        self.buffers = buffers  # the model runner's: a step's uploads go through its pinned slots
         self.eos = np.asarray(sorted(eos_token_ids), dtype=np.int64)
         self.cap = 0
         self.fparams = np.zeros((0, 6), np.float32)  # temperature, top_p, min_p, repetition, presence, frequency
@@ -290,9 +290,9 @@ class SamplingState:
             if len(lp) < S:
                 i_lp = pack.add(lp)
 
-        pack.upload(self.staging)
+        pack.upload(self.buffers)
         if fpack:
-            fdev = self.staging.upload(fpack, torch.float32)[0]
+            fdev = self.buffers.upload(fpack, torch.float32)[0]
             self.fdev.index_copy_(0, pack[j_rows], fdev.view(-1, 6))
             self.idev.index_copy_(0, pack[j_rows], pack[j_ints].view(-1, 2))
         if pj is not None:

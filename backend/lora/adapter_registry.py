@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from loom.device import bind_thread
 from loom.errors import RequestError
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
@@ -179,7 +180,9 @@ class AdapterRegistry:
         self._versions: set[_Version] = set()
         self._version_ids = itertools.count(1)
         self._clock = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
+        # the loader pins host memory and may touch the device: on the engine's device, not the thread's default
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
+                                            initializer=bind_thread, initargs=(self.device,))
         self.evictions = [0, 0]  # per space
         self.compactions = [0, 0]
         self.num_disk_loads = 0

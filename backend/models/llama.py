@@ -104,8 +104,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, device=x.device).to(x.dtype)  # float32 first, as transformers
+        if self.embed_scale is not None:  # sqrt(hidden) rounded to the weight dtype, as transformers; a Python
+            # scalar, not a tensor made per step (a host-to-device copy CUDA graph capture refuses)
+            x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)

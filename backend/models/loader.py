@@ -78,11 +78,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     files = safetensors_files(model_dir)
     with torch.device("meta"):
         model = SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position)
-    # Materialise on the target device in the target dtype; buffers (rope cache) stay float32.
-    model = model.to_empty(device=device)
-    for m in model.modules():
-        for name, p in list(m.named_parameters(recurse=False)):
-            p.data = p.data.to(dtype)
+    # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
+    # weights at the peak); the rope caches are rebuilt below in float32.
+    model = model.to(dtype=dtype).to_empty(device=device)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):  # non-persistent buffers are lost by to_empty()
             m.rebuild(device)
@@ -107,7 +105,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                 if dst.shape != tensor.shape:
                     raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
                                          f"{tuple(dst.shape)}")
-                dst.copy_(tensor.to(dtype))
+                dst.copy_(tensor)  # cast on the way (a float32 checkpoint into bf16: per tensor)
                 covered[target][index[:covered[target].dim()]] = True
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from loom.device import bind_thread
 from loom.engine.faults import is_sticky_device_error
 from loom.engine.outputs import EngineStats
 from loom.engine.sampling_params import SamplingParams
@@ -273,6 +274,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            bind_thread(getattr(getattr(self.engine, "runner", None), "device", None))  # Triton's current device
             self._loop()
         except BaseException as e:  # only what the loop's own guard does not catch (SystemExit, ...)
             if not self._stopping:

@@ -3,7 +3,9 @@
 engine: small random models covering GQA groups 1/4/8, head_dim 64/128, Qwen2 q/k/v bias and tied embeddings
 (--cpu-smoke: smaller heads). Per model, in float32 the greedy tokens must equal transformers' generate in
 three schedules: mixed prefill/decode steps with duplicate prompts and prefix-cache hits, chunked prefill under a
-tiny token budget, preemption under a tiny KV budget (each schedule asserts it really happened). In bfloat16 the
+tiny token budget, preemption under a tiny KV budget (each schedule asserts it really happened, and that decode
+steps replayed CUDA graphs; --cpu-smoke runs the graph path without capture), and the mixed one again with
+cuda_graphs off (every step eager). In bfloat16 the
 engine's tokens are teacher-forced through transformers in float32 on the same bf16-rounded weights: the
 engine's logprob of each token within BF16_LOGPROB_TOL of the oracle's (mean within BF16_LOGPROB_MEAN_TOL), and
 its token the oracle's top-1 except where the oracle's top two are closer than BF16_TIE_MARGIN.
@@ -87,7 +89,14 @@ def drive(engine, plan, params, max_steps: int = 5000) -> dict:
 def _engine(path, dev, dtype, **kw):
     args = dict(model=path, device=dev, dtype=dtype, block_size=16, kv_cache_memory_bytes=16 << 20)
     args.update(kw)
-    return LLMEngine(EngineConfig(**args), load_tokenizer=False)
+    eng = LLMEngine(EngineConfig(**args), load_tokenizer=False)
+    if dev == "cpu" and args.get("cuda_graphs", True):  # --cpu-smoke: the graph path's code, without capture
+        eng.runner.enable_graph_emulation()
+    return eng
+
+
+def graph_steps(eng) -> int:
+    return eng.runner.graphs.replays if eng.runner.graphs is not None else 0
 
 
 def _greedy(n, logprobs=None):
@@ -136,8 +145,11 @@ def check_fp32(path, model, dev, sched) -> dict:
         assert spy["chunked"] > 0, "no prompt was chunked"
     if "preempt" in must:
         assert sc.num_preemptions > 0, "nothing was preempted"
+    if kw.get("cuda_graphs", True):
+        assert graph_steps(eng) > 0, "no decode step replayed a CUDA graph"
     assert_no_leak(eng)
-    return dict(spy, requests=len(plan), prefix_hit_tokens=sc.prefix_hit_tokens, preemptions=sc.num_preemptions)
+    return dict(spy, requests=len(plan), prefix_hit_tokens=sc.prefix_hit_tokens, preemptions=sc.num_preemptions,
+                graph_steps=graph_steps(eng))
 
 
 def check_bf16(path, model, dev, sched) -> dict:
@@ -205,6 +217,9 @@ def run_engine(rec, opts) -> None:
         model = model.to(dev)
         for name, sched in schedules(opts.smoke).items():
             rec.run(f"{label}: fp32 {name}", check_fp32, path, model, dev, sched)
+        kw, plan, n, must = schedules(opts.smoke)["mixed prefill/decode + duplicate prompts + prefix hits"]
+        rec.run(f"{label}: fp32 mixed schedule, every step eager (cuda_graphs false)", check_fp32, path, model, dev,
+                (dict(kw, cuda_graphs=False), plan, n, must))
         oracle = bf16_rounded(copy.deepcopy(model))
         rec.run(f"{label}: bf16 mixed schedule", check_bf16, path, oracle, dev,
                 schedules(opts.smoke)["mixed prefill/decode + duplicate prompts + prefix hits"])
@@ -253,7 +268,8 @@ def check_lora_mixed(base, root, names, dev, n) -> dict:
     res = drive(eng, [(0, f"r{i}", q, x) for i, (q, x) in enumerate(zip(prompts, rows))], _greedy(n, logprobs=0))
     assert max(groups) == len(names), f"at most {max(groups)} adapters in one step, {len(names)} expected"
     _vs_peft(base, root, prompts, rows, res, n)
-    return {"adapters_in_one_step": max(groups), "rows": len(rows)}
+    assert graph_steps(eng) > 0, "no decode step replayed a CUDA graph"
+    return {"adapters_in_one_step": max(groups), "rows": len(rows), "graph_steps": graph_steps(eng)}
 
 
 def check_lora_lifecycle(base, root, names, dev, n) -> dict:

@@ -105,7 +105,7 @@ class Compiles:
 
 
 def graph_modes() -> list[bool | None]:
-    """[False, True] once EngineConfig has `cuda_graphs`; [None] (the engine as it is, eager) before."""
+    """[False, True]: every step eager, and decode steps replaying CUDA graphs (EngineConfig.cuda_graphs)."""
     return [False, True] if "cuda_graphs" in EngineConfig.field_names() else [None]
 
 
@@ -120,7 +120,20 @@ def start_engine(model_dir: str, graphs: bool | None, **kw):
     eng = LLMEngine(EngineConfig(model=model_dir, **kw), load_tokenizer=False)
     if torch.cuda.is_available() and eng.runner.device.type == "cuda":
         torch.cuda.synchronize()
+    elif graphs:  # --cpu-smoke: the graph path's code (buckets, padding, static buffers) without capture
+        eng.runner.enable_graph_emulation()
     return eng, time.perf_counter() - t
+
+
+def warmup_metrics(eng) -> dict:
+    """What the engine's start-up warm-up did (loom.engine.warmup.WarmupReport), and the graphs it holds."""
+    w = eng.runner.warmup
+    g = eng.runner.graphs
+    out = {"graphs": len(g._graphs) if g is not None else 0, "graph_buckets": g.buckets if g is not None else []}
+    if w is not None:
+        out.update(warmup_steps=w.steps, warmup_lora_launches=w.lora_launches, warmup_compiles=w.compiles,
+                   warmup_s=w.seconds)
+    return out
 
 
 def time_decode(eng, B: int, prompt_len: int, steps: int, seed: int, dev: str, loras=None, profile: bool = False,
@@ -210,7 +223,7 @@ def _default_start(model_dir: str, dev: str, state: dict) -> dict:
     kv = run.num_blocks * run.bytes_per_block
     res = {"start_s": secs, "dtype": str(run.dtype), "kv_blocks": run.num_blocks, "kv_gib": kv / 2**30,
            "kv_tokens": run.num_blocks * run.block_size, "weights_gib": decode_weight_bytes(run.model) / 2**30,
-           **_mem()}
+           **warmup_metrics(eng), **_mem()}
     budget = None
     if dev == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
@@ -349,7 +362,7 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
 
         def start(g=graphs):
             holder["eng"], secs = start_engine(made["dir"], g, **kw)
-            return {"start_s": secs}
+            return {"start_s": secs, **warmup_metrics(holder["eng"])}
 
         with started:
             st = rec.run(f"{label} engine start ({mode})", start)
@@ -357,6 +370,8 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
             continue
         eng = holder.pop("eng")
         rec.metric(f"start_s_{mode}", st["start_s"])
+        if st.get("warmup_compiles") is not None:
+            rec.metric(f"warmup_compiles_{mode}", st["warmup_compiles"])
         after = Compiles()
         with after:
             rows = {}
@@ -376,6 +391,8 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
                         rec.metric(f"lora_ratio_B{B}_{mode}", ratio)
                         if B == len(names):
                             served["lora"] = (ratio, mode, len(names), ad["rank"])
+        if graphs:
+            rec.run(f"{label} {mode}: decode steps replayed graphs", _replayed, eng)
         rec.run(f"{label} {mode}: compile counter saw the start-up compiles", _counter_sane, dev, started, after)
         rec.metric(f"compiles_after_start_{mode}", after.count)
         served["compiles"] = (after.count, mode)
@@ -401,6 +418,12 @@ def _load_adapters(eng, names) -> dict:
     for n in names:
         eng.adapters.load(n)
     return {"loaded": len(eng.adapters.list())}
+
+
+def _replayed(eng) -> dict:
+    g = eng.runner.graphs
+    assert g is not None and g.replays > 0, "cuda_graphs is on but no decode step replayed a graph"
+    return {"graph_steps": g.replays}
 
 
 def _not_implemented(what: str):

@@ -117,10 +117,23 @@ def hide_before_window(kc, bt, first_q_pos, window):
     return bt
 
 
+def widen_table(kc, bt, width):
+    """The block table at `width` columns, the new ones pointing at an all-NaN block: the engine's persistent
+    tables are as wide as max_model_len and hold stale ids past each sequence's blocks, which are never read."""
+    if width is None or width <= bt.shape[1]:
+        return bt
+    used = set(bt.flatten().tolist())
+    nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
+    wide = torch.full((bt.shape[0], width), nan_block, dtype=bt.dtype, device=bt.device)
+    wide[:, :bt.shape[1]] = bt
+    return wide
+
+
 def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=None, block_n=None,
-                 sliding_window=None, softcap=None, top_of=0):
+                 sliding_window=None, softcap=None, top_of=0, table_width=None):
     kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, top_of=top_of)
     bt = hide_before_window(kc, bt, [n - 1 for n in seq_lens], sliding_window)
+    bt = widen_table(kc, bt, table_width)
     q = rnd(len(seq_lens), heads, d, dtype=dtype, device=device, scale=3.0 if softcap else 1.0)
     scale = d ** -0.5
     opts = dict(sliding_window=sliding_window, softcap=softcap)
@@ -141,9 +154,10 @@ def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top
 
 
 def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, block_m=None, block_n=None,
-                  sliding_window=None, softcap=None, top_of=0):
+                  sliding_window=None, softcap=None, top_of=0, table_width=None):
     q, kc, vc, cu, sl, bt, max_q = prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of)
     bt = hide_before_window(kc, bt, [n - ql for ql, n in q_and_seq_lens], sliding_window)
+    bt = widen_table(kc, bt, table_width)
     if softcap:
         q = q * 3.0  # scores well past the cap
     scale = d ** -0.5
@@ -298,6 +312,12 @@ CASES = {
         dict(seq_lens=[3, 50], heads=4, kvh=2, d=32, block_size=8, num_splits=1, softcap=5.0),
         dict(seq_lens=[1, 33, 60], heads=4, kvh=2, d=32, block_size=8, num_splits=2, block_n=16, softcap=5.0,
              sliding_window=17),
+        # more partitions than the reduction merges at once (16); per-sequence partition counts differ
+        dict(seq_lens=[700, 5, 0, 290], heads=4, kvh=2, d=32, block_size=16, num_splits=40, block_n=16),
+        # a table as wide as a long max_model_len (automatic splits sized by it, >= 256-token partitions)
+        dict(seq_lens=[600, 5, 0, 300], heads=4, kvh=2, d=64, block_size=16, table_width=128),
+        dict(seq_lens=[3, 40], heads=4, kvh=2, d=8, block_size=16, num_splits=1),  # head_dim < 16 (tl.dot K)
+        dict(seq_lens=[3, 90], heads=4, kvh=1, d=8, block_size=16, num_splits=3, block_n=16),
     ]),
     "prefill": (check_prefill, [
         # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
@@ -311,6 +331,7 @@ CASES = {
         dict(q_and_seq_lens=[(33, 33), (1, 20)], heads=4, kvh=2, d=32, block_size=8, softcap=5.0),
         dict(q_and_seq_lens=[(30, 50), (20, 20)], heads=4, kvh=2, d=32, block_size=8, block_m=16, softcap=5.0,
              sliding_window=9),
+        dict(q_and_seq_lens=[(9, 20), (1, 3)], heads=4, kvh=2, d=8, block_size=16, table_width=40),  # head_dim 8
     ]),
     # the sequences' blocks at the top of the cache (the GPU check uses caches of more than 2^31 elements)
     "top_blocks": (check_decode, [dict(seq_lens=[5, 40], heads=8, kvh=2, d=64, block_size=16, top_of=1 << 16)]),

@@ -1,6 +1,6 @@
 """The engine's host-side fast paths against the simple path, token for token: the persistent sampling state
 (vs SamplingBatch.build from the sequences' lists every step) and async scheduling (step N+1 scheduled and
-launched before step N's tokens reach the host), on a tiny random model, with preemption, chunked prefill, n > 1,
+launched before step N's tokens reach the host, also over the decode-graph path), on a tiny random model, with preemption, chunked prefill, n > 1,
 penalties, logprobs, min_tokens, stop ids, logit_bias / allowed_token_ids and bad_words; and the overlap itself
 with a slow fake device."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def workload():
 
 def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11)):
     cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=0, max_num_batched_tokens=48,
-                       max_num_seqs=8, async_scheduling=(mode == "async"))
+                       max_num_seqs=8, async_scheduling=mode.startswith("async"))
     # a KV cache small enough that requests get preempted
     per_block = 2 * 2 * 8 * 2 * 16 * 4
     cfg.kv_cache_memory_bytes = 24 * per_block
@@ -63,6 +63,8 @@ def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11
     eng.tokenizer = LetterTokenizer()
     if mode == "simple":
         eng.use_simple_sampling()
+    if mode == "async_graphs":  # decode steps through the CUDA-graph path (static buffers, padded buckets)
+        eng.runner.enable_graph_emulation()
     prompts, params = workload()
     got: dict = {}
     step = 0
@@ -109,6 +111,10 @@ def test_persistent_state_and_async_scheduling_match_the_simple_path(model_dir):
     assert simple[("q0", 0)]["cum"] is None  # nobody asked: no logprob computed
     assert_same(simple, persistent)
     assert_same(simple, overlapped)
+    # async scheduling over the graph path: the placeholders are filled in the graph's static input ids
+    graphed, eng_g = run(model_dir, "async_graphs")
+    assert eng_g.runner.graphs.replays > 0
+    assert_same(simple, graphed)
 
 
 def test_async_abort_and_stop_while_a_step_is_in_flight(model_dir):
@@ -177,8 +183,8 @@ def fake_forward(eng: LLMEngine, device: FakeDevice):
     runner = eng.runner
     table = torch.randn(97, runner.vocab_size, generator=torch.Generator().manual_seed(0)) * 4
 
-    def run(batch, lora, extra_rows=None, token_fill=None):
-        ids, ctx, sampled = runner.prepare(batch, lora, extra_rows, token_fill)
+    def run(batch, lora, extra_rows=None, fill=None):
+        ids, ctx, sampled = runner.prepare(batch, lora, extra_rows, fill=fill)
         last = ids[ctx.logits_indices]
         pos = ctx.positions[ctx.logits_indices]
         device.launch()

@@ -12,7 +12,7 @@ from loom.engine.sampler import Sampler, SamplingBatch
 from loom.engine.sampling_params import SamplingParams as SP
 from loom.engine.sampling_state import GREEDY, LOGPROBS, SamplingState
 from loom.engine.sequence import Sequence
-from loom.engine.staging import Staging
+from loom.engine.step_buffers import StepBuffers
 
 V = 97
 EOS = (2,)
@@ -55,7 +55,7 @@ def stop_ids(seq: Sequence) -> list[int]:
 def test_persistent_state_samples_what_the_simple_path_samples():
     rng = random.Random(0)
     torch.manual_seed(0)
-    state = SamplingState(V, "cpu", Staging(torch.device("cpu")))
+    state = SamplingState(V, "cpu", StepBuffers({}, torch.device("cpu")))
     sampler = Sampler()
     live: list[Sequence] = []
     made = 0
@@ -108,7 +108,7 @@ def test_persistent_state_samples_what_the_simple_path_samples():
 
 def test_flags_and_nothing_unasked():
     """A greedy batch without logprobs uploads nothing and computes no logprob; rows come back after release."""
-    state = SamplingState(V, "cpu", Staging(torch.device("cpu")))
+    state = SamplingState(V, "cpu", StepBuffers({}, torch.device("cpu")))
     seqs = [Sequence(f"g{i}", [5, 6], SP(temperature=0.0), i) for i in range(3)]
     rows = np.asarray([state.join(s, EOS) for s in seqs])
     assert all(state.flags[r] == GREEDY for r in rows)

@@ -1,0 +1,207 @@
+"""Decode steps as CUDA graphs: one graph per batch-size bucket, replayed over persistent input buffers.
+
+A decode-only step of B sequences runs in the smallest bucket b >= B (1, 2, 4, 8, then multiples of 8): its
+rows are staged into the runner's persistent buffers padded to b rows (token 0 at position 0, slot -1 so nothing
+is stored, context length 0 so attention returns zeros), the graph captured for b replays the model and the
+logits of all b rows, and the sampled rows are gathered from its output. Every kernel argument of a captured
+launch is fixed: block tables as wide as max_model_len, the decode split count chosen from b, LoRA tiles from
+b and max_lora_rank.
+
+LoRA: the step's adapter grouping (LoraBatchMeta) is copied into static buffers of b groups (groups past the
+step's have no tokens and rank 0, tokens past its LoRA tokens are in no group), so a mixed-adapter step replays
+too. Graphs are keyed by the module groups the step's adapters target (attention only, ..., all), since a layer
+whose group no adapter targets skips LoRA: one key without LoRA and one with every group are captured at start,
+others on first use (at most MAX_LORA_KEYS; beyond that the all-groups graph serves, adding zero rows). Steps with
+expert LoRA, prompt logprobs or more than the largest bucket's sequences run eagerly.
+
+capture=False (CPU, tests) runs the same staging and padding and calls the forward eagerly where CUDA would
+replay: identical tokens with and without this path is what the CPU tests check. The CUDA-only part is
+_CapturedGraph.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
+
+log = logging.getLogger("loom")
+
+MAX_LORA_KEYS = 4  # module-group sets captured besides "none" and "all"
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Buckets up to max_batch: 1, 2, 4, 8, 16, 24, ... (at most 7 padding rows past 8), and max_batch itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+class _CapturedGraph:
+    """CUDA only: the forward of one bucket captured once, replayed per step; `out` is its logits buffer."""
+
+    def __init__(self, fn, pool):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # a first run outside capture: lazy inits, allocator warm-up
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: a capture while serving must not fail on what another thread (the adapter loader pinning
+        # host memory) does meanwhile
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.out = fn()
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class _Eager:
+    """capture=False: the same forward over the same static context, run when called."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+class DecodeGraphs:
+    def __init__(self, runner, capture: bool):
+        self.runner = runner
+        self.capture = capture
+        self.max_batch = runner.graph_max_batch()
+        self.buckets = graph_batch_sizes(self.max_batch)
+        self._graphs: dict[tuple[int, frozenset | None], _CapturedGraph | _Eager] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # LoRA module groups with pools attached (checked when graphs are made: after the registry attached them)
+        self.lora_groups = frozenset(m.lora_group for m in runner.model.lora_modules().values()
+                                     if m.lora_a is not None and m.lora_group is not None
+                                     and not m.lora_group.startswith("experts"))
+        self.replays = 0  # steps served by this path (tests, metrics)
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def lora_key(self, lora: LoraBatchMeta | None) -> frozenset | None:
+        if lora is None or lora.token_indices.numel() == 0 or not self.lora_groups:
+            return None
+        groups = self.lora_groups if lora.module_groups is None else frozenset(lora.module_groups)
+        return (groups & self.lora_groups) or None
+
+    # ---- capture ---------------------------------------------------------------------------------
+    def capture_all(self) -> int:
+        """Start-up: every bucket without LoRA and, when pools are attached, with every LoRA group; -> graphs."""
+        keys = [None] + ([self.lora_groups] if self.lora_groups else [])
+        for key in keys:
+            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                self._get(b, key, stage_padding=True)
+        return len(self._graphs)
+
+    def _get(self, b: int, key: frozenset | None, stage_padding: bool = True):
+        g = self._graphs.get((b, key))
+        if g is None:
+            fn = self._forward_fn(b, key)
+            if stage_padding:  # a capture's first run reads the inputs: make them a valid (empty) batch
+                self._stage_padding(b, key)
+            if self.capture:
+                g = _CapturedGraph(fn, self._pool)
+            else:
+                g = _Eager(fn)
+                if stage_padding:  # start-up without capture: still launch what a capture would
+                    g()
+            self._graphs[(b, key)] = g
+        return g
+
+    def _static_lora(self, b: int, key: frozenset) -> LoraBatchMeta:
+        dev = self.runner.buffers.device_view
+        return LoraBatchMeta(
+            token_indices=dev("lora_tokens", b), seg_starts=dev("lora_seg", b + 1), row_start=dev("lora_rows", b),
+            ranks=dev("lora_ranks", b), scalings=dev("lora_scalings", b),
+            max_rank=self.runner.config.max_lora_rank, max_seg_len=b, module_groups=key)
+
+    def _forward_fn(self, b: int, key: frozenset | None):
+        r = self.runner
+        dev = r.buffers.device_view
+        width = r.max_blocks_per_seq
+        decode = AttentionMeta(dev("cu_seqlens", b + 1), dev("seq_lens", b), dev("block_tables", b, width), 1,
+                               width * r.block_size)
+        ctx = ForwardContext(positions=dev("positions", b), slot_mapping=dev("slot_mapping", b), num_decode_seqs=b,
+                             decode=decode, prefill=None, logits_indices=dev("logits_indices", b),
+                             lora=None if key is None else self._static_lora(b, key))
+        ids, model = dev("input_ids", b), r.model
+
+        def forward() -> torch.Tensor:
+            with forward_context(ctx):
+                return model.compute_logits(model(ids, ctx.positions))  # [b, vocab] float32
+
+        return forward
+
+    def _stage_padding(self, b: int, key: frozenset | None) -> None:
+        """All-padding inputs for a capture: no token stored, every context empty, no LoRA token."""
+        buf = self.runner.buffers
+        buf.begin()
+        buf.host("input_ids", b)[:] = 0
+        buf.host("positions", b)[:] = 0
+        buf.host("slot_mapping", b)[:] = -1
+        buf.host("seq_lens", b)[:] = 0
+        buf.host("block_tables", b, self.runner.max_blocks_per_seq)[:] = 0
+        if key is not None:
+            self._stage_lora_groups(b, [0], [], [], [])
+        buf.commit()
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def run(self, batch, lora: LoraBatchMeta | None, fill=None) -> tuple[torch.Tensor, list[int]] | None:
+        """Serve a decode-only step from its bucket's graph; None when the step is not one for this path.
+        fill: ModelRunner's TokenFill (async scheduling), written into the static input ids before the replay."""
+        n = len(batch.seqs)
+        if n == 0 or batch.num_decode_seqs != n or (lora is not None and lora.experts is not None):
+            return None
+        b = self.bucket(n)
+        if b is None:
+            return None
+        key = self.lora_key(lora)
+        if self.capture and (b, key) not in self._graphs and key not in (None, self.lora_groups):
+            lazy = {k for _, k in self._graphs} - {None, self.lora_groups}
+            if key not in lazy and len(lazy) >= MAX_LORA_KEYS:
+                key = self.lora_groups  # zero rows for the groups no adapter targets: the same result
+            else:
+                log.info("capturing the CUDA graph of batch %d with LoRA on %s", b, sorted(key))
+        r = self.runner
+        _, _, sampled = r.prepare(batch, lora, pad_to=b, fill=fill)
+        if key is not None:
+            self._stage_lora(b, lora)
+        r.buffers.commit()
+        r.fill_ids(r.buffers.device_view("input_ids", b), fill)
+        if key is not None:
+            r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
+                                                                                    non_blocking=True)
+        # a graph first needed now is captured over this step's staged inputs (its first run is this step's)
+        out = self._get(b, key, stage_padding=False)()
+        self.replays += 1
+        idx = r.buffers.device_view("logits_indices", len(sampled))
+        return out.index_select(0, idx), sampled
+
+    def _stage_lora(self, b: int, meta: LoraBatchMeta) -> None:
+        seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()
+        rows = meta.row_start_cpu if meta.row_start_cpu is not None else meta.row_start.tolist()
+        ranks = meta.ranks_cpu if meta.ranks_cpu is not None else meta.ranks.tolist()
+        scal = meta.scalings_cpu if meta.scalings_cpu is not None else meta.scalings.tolist()
+        self._stage_lora_groups(b, seg, rows, ranks, scal)
+
+    def _stage_lora_groups(self, b: int, seg, rows, ranks, scal) -> None:
+        """Groups [0, G) as given; groups [G, b) empty (their segments end where the last one does), rank 0."""
+        buf = self.runner.buffers
+        g = len(rows)
+        seg_h = buf.host("lora_seg", b + 1)
+        seg_h[:g + 1] = seg
+        seg_h[g + 1:] = seg[-1]
+        for name, vals in (("lora_rows", rows), ("lora_ranks", ranks), ("lora_scalings", scal)):
+            a = buf.host(name, b)
+            a[:g] = np.asarray(vals, dtype=a.dtype)
+            a[g:] = 0
