@@ -366,7 +366,8 @@ def measure_serving(model_dir: str, num_seqs: int, args) -> dict:
     del thread_t0
     res = {"num_seqs": num_seqs, "steps": nsteps, "wall_ms_per_step": wall / nsteps * 1e3,
            "engine_ms_per_step": step_timer.total / nsteps * 1e3, "cancel_polls_per_step": polls[0] / nsteps,
-           "sends": sent["sends"], "tokens": sent["tokens"], "build_us_per_send": sent["build_s"] / max(1, sent["sends"]) * 1e6}
+           "sends": sent["sends"], "tokens": sent["tokens"],
+           "build_us_per_send": sent["build_s"] / max(1, sent["sends"]) * 1e6}
     res["serving_ms_per_step"] = res["wall_ms_per_step"] - res["engine_ms_per_step"]
     res.update(ae.timings() if hasattr(ae, "timings") else {})
     if loop_cpu is not None:

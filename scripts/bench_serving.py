@@ -554,7 +554,8 @@ TRITON_STAGES = [("client -> execute()", "send", "arrival"), ("tokenize", "arriv
                  ("scheduled -> token", "first_scheduled", "first_token"), ("detokenize", "first_token", "emitted"),
                  ("emitted -> sent", "emitted", "first_sent"), ("sent -> client", "first_sent", "received")]
 OFFLINE_STAGES = [("queue -> scheduled", "send", "first_scheduled"),
-                  ("scheduled -> token", "first_scheduled", "first_token"), ("token -> caller", "first_token", "received")]
+                  ("scheduled -> token", "first_scheduled", "first_token"),
+                  ("token -> caller", "first_token", "received")]
 
 
 def timing_log_path(args, work: Path) -> Path:
