@@ -1,8 +1,8 @@
 """The engine's host-side fast paths against the simple path, token for token: the persistent sampling state
 (vs SamplingBatch.build from the sequences' lists every step) and async scheduling (step N+1 scheduled and
 launched before step N's tokens reach the host, also over the decode-graph path), on a tiny random model, with
-preemption, chunked prefill, n > 1, penalties, logprobs, min_tokens, stop ids, logit_bias / allowed_token_ids and bad_words; and the overlap itself
-with a slow fake device."""
+preemption, chunked prefill, n > 1, penalties, logprobs, min_tokens, stop ids, logit_bias / allowed_token_ids
+and bad_words; and the overlap itself with a slow fake device."""
 from __future__ import annotations
 
 import threading
