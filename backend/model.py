@@ -139,7 +139,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise ValueError("loom: the model must set model_transaction_policy { decoupled: true }")
         # Bad values raise ConfigError naming the parameter: Triton then refuses to load the model.
-        cfg = parse_model_parameters(self.model_config.get("parameters", {}), args["model_repository"])
+        instances = sum(int(g.get("count", 1)) for g in self.model_config.get("instance_group", [])) or 1
+        cfg = parse_model_parameters(self.model_config.get("parameters", {}), args["model_repository"], instances)
         if args.get("model_instance_kind") == "GPU" and cfg.engine.device == "auto":
             cfg.engine.device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
         if not cfg.engine.model:

@@ -1,7 +1,8 @@
 """OpenAI Triton kernels for loom's hot paths, each beside a plain-PyTorch reference of the same signature.
 
 `kernels.dispatch` is the one place that decides which implementation runs: the Triton kernel for CUDA
-tensors, the reference otherwise (or the Triton kernel under TRITON_INTERPRET=1 when forced for tests).
+tensors; on CPU loom's C++ kernels (kernels/cpu_*.py) where they apply, the reference otherwise (or the Triton
+kernel under TRITON_INTERPRET=1 when forced for tests).
 """
 
 from loom.kernels.dispatch import (

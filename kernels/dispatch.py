@@ -1,24 +1,29 @@
 """The one place that picks an implementation: Triton for CUDA tensors, or everywhere when
-LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); the reference otherwise."""
+LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); on CPU, the C++ kernels
+(kernels/cpu_*.py: they run the reference themselves for what they do not take, and everywhere with
+LOOM_CPU_KERNELS=0); the reference otherwise."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-from loom.kernels.activation import (
+from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_ref here)
     gelu_tanh_and_mul_ref,
     gelu_tanh_and_mul_triton,
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
-from loom.kernels.kv_store import store_kv_ref, store_kv_triton
-from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from loom.kernels.cpu_lora import lora_expand_cpu, lora_shrink_cpu
+from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
+from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+from loom.kernels.kv_store import store_kv_triton
+from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
-from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
-from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
-from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
-from loom.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton
+from loom.kernels.norm import fused_add_rms_norm_triton
+from loom.kernels.paged_decode_attention import paged_decode_attention_triton
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_triton
+from loom.kernels.rotary import rotary_embedding_triton
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -27,33 +32,33 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    return (store_kv_triton if use_triton(k) else store_kv_ref)(k, v, k_cache, v_cache, slot_mapping)
+    return (store_kv_triton if use_triton(k) else store_kv_cpu)(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
                            softcap=None):
-    fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_ref
+    fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_cpu
     return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
               softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
                             out=None, sliding_window=None, softcap=None):
-    fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_ref
+    fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_cpu
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
               sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_ref)(x, residual, weight, eps)
+    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_cpu)(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
-    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_ref)(positions, q, k, cos_sin_cache)
+    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_cpu)(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_ref)(x)
+    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_cpu)(x)
 
 
 def gelu_tanh_and_mul(x):
@@ -70,8 +75,8 @@ def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
 
 
 def lora_shrink(x, lora_a, meta, out=None):
-    return (lora_shrink_triton if use_triton(x) else lora_shrink_ref)(x, lora_a, meta, out=out)
+    return (lora_shrink_triton if use_triton(x) else lora_shrink_cpu)(x, lora_a, meta, out=out)
 
 
 def lora_expand(buf, lora_b, slice_offsets, meta, y):
-    return (lora_expand_triton if use_triton(y) else lora_expand_ref)(buf, lora_b, slice_offsets, meta, y)
+    return (lora_expand_triton if use_triton(y) else lora_expand_cpu)(buf, lora_b, slice_offsets, meta, y)

@@ -188,13 +188,14 @@ def lora_expand_triton(buf, lora_b, slice_offsets, meta, y):
 # Reference (a loop over adapter groups; every group is one batched matmul)
 
 
-def _groups(meta):
+def groups(meta, min_tokens: int = 1):
+    """(first, end, row_start, rank, scaling) of every group with at least min_tokens tokens and a rank."""
     seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()
     rows = meta.row_start_cpu if meta.row_start_cpu is not None else meta.row_start.tolist()
     ranks = meta.ranks_cpu if meta.ranks_cpu is not None else meta.ranks.tolist()
     scal = meta.scalings_cpu if meta.scalings_cpu is not None else meta.scalings.tolist()
     for g in range(len(rows)):
-        if seg[g + 1] > seg[g] and ranks[g] > 0:
+        if seg[g + 1] - seg[g] >= max(1, min_tokens) and ranks[g] > 0:
             yield seg[g], seg[g + 1], rows[g], ranks[g], scal[g]
 
 
@@ -266,7 +267,7 @@ def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
     span = _dense_span(meta)
     if span is not None:
         return _shrink_dense(x, lora_a, meta, out, span)
-    for a, b, row, rank, _ in _groups(meta):
+    for a, b, row, rank, _ in groups(meta):
         xs = x[meta.token_indices[a:b]]  # [n, in]
         out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].transpose(1, 2)).float()  # [S, n, r]
     return out
@@ -277,7 +278,7 @@ def lora_expand_ref(buf, lora_b, slice_offsets, meta, y):
     span = _dense_span(meta)
     if span is not None:
         return _expand_dense(buf, lora_b, offs, meta, y, span)
-    for a, b, row, rank, scaling in _groups(meta):
+    for a, b, row, rank, scaling in groups(meta):
         w = lora_b[row:row + rank]  # [r, sum_out]
         delta = torch.empty((b - a, offs[-1]), dtype=w.dtype, device=y.device)
         for s in range(len(offs) - 1):

@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
-"""Multi-LoRA benchmark: throughput with no LoRA / one adapter / a distinct adapter per request, and
-hot-load latency with the inter-token latency of running requests while an adapter loads.
+"""Multi-LoRA benchmark: tokens/s with no LoRA / one adapter / a distinct adapter per request, loom against
+vLLM's CPU build on the same adapters, prompts and tokens; then hot-load latency and the inter-token latency
+of running requests while an adapter loads (loom only).
 
-    python scripts/bench_lora.py [--model DIR] [--requests 32] [--prompt-len 64] [--max-tokens 32]
-                                 [--rank 16] [--device auto] [--dtype auto] [--json out.json]
+    python scripts/bench_lora.py --threads 1 --vllm-python /path/to/vllm-venv/bin/python \\
+        --vllm-preload "$TCMALLOC:$VENV/lib/libiomp5.so"
+    python scripts/bench_lora.py [--model DIR] [--requests 32] [--prompt-len 64] [--max-tokens 32] [--rank 16]
+                                 [--threads 1] [--compile eager|compiled] [--json out.json] [--no-hot-load]
 
-Adapters are synthetic PEFT adapters (random A/B, q/k/v/o/gate/up/down) written for the model into a temp
-adapter root. Prompts are random token ids; decoding is greedy with ignore_eos, so every request makes
-exactly --max-tokens tokens.
+Adapters are synthetic PEFT adapters (random A/B on q/k/v/o/gate/up/down) written for the model into a temp
+adapter root; vLLM loads the same folders. Prompts are random token ids; decoding is greedy with ignore_eos, so
+every request makes exactly --max-tokens tokens. Each scenario is the best of --repeats timed batches after a
+warm-up that ran every scenario once with 2 tokens (adapters loaded, shapes seen), for both systems. vLLM's
+no-LoRA figure is its plain engine (compiled, as a user without adapters runs it); its adapter rows are an
+engine with enable_lora (eager, as vLLM runs LoRA on CPU) with max_loras = the adapters + 1 spare slot (vLLM
+0.32's CPU LoRA gives base requests batched with adapters the last slot's adapter, vllm#48421: the spare,
+never filled, keeps them clean; only the no-LoRA run of that engine has base requests).
 """
 from __future__ import annotations
 
@@ -17,11 +25,14 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from peer_vllm_client import add_vllm_arguments, run_vllm_settings
+
+import harness.bench as bc  # noqa: F401  (CPU tuning before torch)
+from harness.cpu_meter import CpuMeter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SCENARIOS = ("no_lora", "one_adapter", "distinct_adapters")
 
 
 def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL) -> str:
@@ -49,18 +60,19 @@ def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL) -> str:
     return out_dir
 
 
-def run_batch(llm, prompts, params, loras):
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_names=loras)
-    dt = time.perf_counter() - t0
-    ntok = sum(len(o.token_ids) for o in outs)
+def run_batch(llm, prompts, params, loras) -> dict:
+    with CpuMeter() as meter:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_names=loras)
+        dt = time.perf_counter() - t0
     errs = [o.error for o in outs if o.error]
     if errs:
         raise RuntimeError(f"requests failed: {errs[:3]}")
-    return ntok / dt, dt, ntok
+    tokens = [list(o.token_ids) for o in outs]
+    return {"tokens_per_s": sum(map(len, tokens)) / dt, "wall_s": dt, "tokens": tokens, "cpu": meter.result}
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
     ap.add_argument("--requests", type=int, default=32)
@@ -68,65 +80,110 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="loom's compute threads")
+    ap.add_argument("--compile", default="eager", choices=("eager", "compiled"), help="loom's CPU forward")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lora-memory-mb", type=int, default=512)
+    ap.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    add_vllm_arguments(ap)
+    return ap.parse_args(argv)
 
+
+def run_vllm(args, model: str, root: str, prompts, scenarios: dict) -> dict:
+    """{scenario: best result over the thread settings, with "setting"}, and every run under "_all"."""
+    base_job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": "float32",
+                "kv_cache_gib": 1, "warmup": "all"}
+    adapters = {f"ad{i}": os.path.join(root, f"ad{i}") for i in range(args.requests)}
+    plain = run_vllm_settings(args, {**base_job, "runs": [{"name": "no_lora", "repeats": args.repeats}]},
+                              bc.progress, "vllm plain")
+    lora_job = {**base_job, "enable_lora": True, "adapters": adapters, "max_lora_rank": max(16, args.rank),
+                "max_loras": args.requests,
+                "runs": [{"name": name, "loras": scenarios[name], "repeats": args.repeats}
+                         for name in ("one_adapter", "distinct_adapters", "no_lora")]}
+    lora = run_vllm_settings(args, lora_job, bc.progress, "vllm lora")
+    out: dict = {"_all": {**plain, **lora}}
+
+    def pick(results: dict, run: str, key: str) -> None:
+        ok = {k: v for k, v in results.items() if "error" not in v}
+        if ok:
+            name = max(ok, key=lambda k: ok[k]["runs"][run]["tokens_per_s"])
+            r = ok[name]["runs"][run]
+            out[key] = {"tokens_per_s": r["tokens_per_s"], "wall_s": r["wall_s"], "cpu": r["cpu"], "setting": name,
+                        "tokens": [q["token_ids"] for q in r["requests"]], "startup_s": ok[name]["startup_s"],
+                        "max_loras": ok[name].get("max_loras"), "vllm_version": ok[name].get("vllm_version")}
+
+    pick(plain, "no_lora", "no_lora")
+    pick(lora, "one_adapter", "one_adapter")
+    pick(lora, "distinct_adapters", "distinct_adapters")
+    pick(lora, "no_lora", "no_lora_lora_engine")
+    return out
+
+
+def same(a, b) -> str:
+    return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+
+
+def report(results: dict, args) -> str:
+    loom, vl = results["loom"], results.get("vllm") or {}
+    n = args.requests
+    lines = [f"{n} requests x {args.max_tokens} tokens, {args.prompt_len}-token random prompts, rank-{args.rank} "
+             f"adapters on all 7 projections, greedy, all at t0; loom {args.compile} with {args.threads} compute "
+             f"thread(s); best of {args.repeats}; other CPU s = other processes during the timed batches"]
+    rows = []
+
+    def row(name, res, ref=None):
+        base = res.get("no_lora", {}).get("tokens_per_s")
+        cells = [name]
+        for sc in SCENARIOS:
+            r = res.get(sc)
+            cells.append(r["tokens_per_s"] if r else None)
+            if sc != "no_lora":
+                cells.append(bc.ratio(r["tokens_per_s"], base) if r and base else None)
+        cells.append(" / ".join(same(res[sc]["tokens"], ref[sc]["tokens"]) if ref and sc in ref and sc in res
+                                else "-" for sc in SCENARIOS))
+        cells.append(max((res[sc]["cpu"]["other_cpu_s"] for sc in SCENARIOS if sc in res), default=None))
+        cells.append(res.get("startup_s") or (res.get("no_lora") or {}).get("startup_s"))
+        rows.append(cells)
+
+    if vl:
+        row("vllm", vl)
+    row("loom", loom, vl or None)
+    lines.append(bc.table(["system", "no LoRA tok/s", "one adapter", "ratio", f"{n} distinct", "ratio",
+                           "same tokens as vLLM (none/one/distinct)", "other CPU s (max)", "start-up s"], rows))
+    if vl:
+        settings = {sc: vl[sc]["setting"] for sc in SCENARIOS if sc in vl}
+        lines.append(f"vLLM {next(iter(vl.values())).get('vllm_version', '?')}: best thread setting per row "
+                     f"{settings}; its LoRA engine: max_loras {vl.get('one_adapter', {}).get('max_loras')} "
+                     f"(adapters + 1 spare slot, the vllm#48421 workaround), no-LoRA in that engine "
+                     f"{vl.get('no_lora_lora_engine', {}).get('tokens_per_s', float('nan')):.1f} tok/s")
+        startups = {k: v["startup_s"] for k, v in vl["_all"].items() if "error" not in v}
+        lines.append("start-up (load + compile): " + ", ".join(f"{k} {v:.1f}s" for k, v in startups.items())
+                     + f", loom {loom['startup_s']:.1f}s")
+    base = loom["no_lora"]["tokens_per_s"]
+    one, dis = (bc.ratio(loom[s]["tokens_per_s"], base) for s in ("one_adapter", "distinct_adapters"))
+    checks = [(f"{n} distinct >= 0.85x loom's no-LoRA", dis >= 0.85, f"{dis:.2f}x"),
+              ("one adapter >= 0.95x", one >= 0.95, f"{one:.2f}x")]
+    if vl and all(s in vl for s in SCENARIOS):
+        vb = vl["no_lora"]["tokens_per_s"]
+        v_one, v_dis = (bc.ratio(vl[s]["tokens_per_s"], vb) for s in ("one_adapter", "distinct_adapters"))
+        checks += [("loom no-LoRA above vLLM's", base > vb, f"{base:.1f} vs {vb:.1f} tok/s"),
+                   ("both adapter ratios above vLLM's", one > v_one and dis > v_dis,
+                    f"one {one:.2f} vs {v_one:.2f}, distinct {dis:.2f} vs {v_dis:.2f}")]
+        ident = all(same(loom[s]["tokens"], vl[s]["tokens"]) == f"{n}/{n}" for s in SCENARIOS)
+        checks.append((f"tokens identical {n}/{n} in every row", ident, ""))
+    for what, ok, detail in checks:
+        lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def hot_load(args, llm, root, hf_cfg, prompts) -> dict:
     import torch
-    from transformers import AutoConfig
 
-    from loom.engine.llm import LLM
     from loom.engine.sampling_params import SamplingParams
 
-    model = args.model
-    if not model:
-        from harness.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
-    hf_cfg = AutoConfig.from_pretrained(model)
-    root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
-    n = args.requests
-    t0 = time.perf_counter()
-    for i in range(n):
-        write_adapter(os.path.join(root, f"ad{i}"), hf_cfg, seed=i, r=args.rank)
-    write_adapter(os.path.join(root, "hot"), hf_cfg, seed=10_000, r=16)
-    print(f"wrote {n + 1} rank-{args.rank} adapters in {time.perf_counter() - t0:.1f}s to {root}", flush=True)
-
-    llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
-              lora_memory_bytes=args.lora_memory_mb << 20, max_num_seqs=max(n, 8), max_host_adapters=n + 8,
-              enable_prefix_caching=False)
-    eng, reg = llm.engine, llm.engine.adapters
-    print(f"device={eng.runner.device} dtype={eng.runner.dtype} lora pool: {reg.info()}", flush=True)
-    g = torch.Generator().manual_seed(0)
-    vocab = eng.runner.vocab_size
-    prompts = [torch.randint(10, vocab - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-
-    scenarios = {
-        "no_lora": [None] * n,
-        "one_adapter": ["ad0"] * n,
-        "distinct_adapters": [f"ad{i}" for i in range(n)],
-    }
-    # warm-up: compile/caches, and make every adapter resident (load latency is measured separately)
-    run_batch(llm, prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), [None, None])
-    run_batch(llm, prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), scenarios["distinct_adapters"])
-    results = {}
-    for name, loras in scenarios.items():
-        best = None
-        for _ in range(args.repeats):
-            tps, dt, ntok = run_batch(llm, prompts, params, loras)
-            best = tps if best is None else max(best, tps)
-        results[name] = {"tokens_per_s": round(best, 1)}
-        print(f"{name:>18}: {best:8.1f} tok/s  ({n} requests x {args.max_tokens} tokens)", flush=True)
-    base = results["no_lora"]["tokens_per_s"]
-    for name in ("one_adapter", "distinct_adapters"):
-        results[name]["ratio_to_no_lora"] = round(results[name]["tokens_per_s"] / base, 3)
-    print(f"ratios to no-LoRA: one adapter {results['one_adapter']['ratio_to_no_lora']}, "
-          f"{n} distinct {results['distinct_adapters']['ratio_to_no_lora']}", flush=True)
-
-    # hot load of a rank-16 adapter while requests stream
+    eng, reg, n = llm.engine, llm.engine.adapters, args.requests
     long_params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(min(n, 8)):
         eng.add_request(f"stream{i}", prompts[i], long_params, f"ad{i}" if i % 2 else None)
@@ -179,24 +236,72 @@ def main() -> None:
         xs = sorted(xs)
         return {"n": len(xs), "p50_ms": round(1000 * statistics.median(xs), 2), "max_ms": round(1000 * xs[-1], 2)}
 
-    results["hot_load"] = {
-        "rank": 16,
-        "disk_to_host_s": round(host_load_s, 4),
-        "activate_host_to_device_s": round(activate_s, 5),
-        "activated": ok,
-        "first_use_request_time_to_first_token_s": round(first_token_s, 4),
-        "itl_before": stats(itl_before),
-        "itl_during_load": stats(itl_during),
-        "itl_during_first_use": stats(itl_first_use),
-    }
-    print(json.dumps(results["hot_load"], indent=1), flush=True)
-    results["config"] = {"model": model, "device": str(eng.runner.device), "dtype": str(eng.runner.dtype),
-                         "requests": n, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rank": args.rank,
-                         "torch_threads": torch.get_num_threads()}
+    return {"rank": 16, "disk_to_host_s": round(host_load_s, 4), "activate_host_to_device_s": round(activate_s, 5),
+            "activated": ok, "first_use_request_time_to_first_token_s": round(first_token_s, 4),
+            "itl_before": stats(itl_before), "itl_during_load": stats(itl_during),
+            "itl_during_first_use": stats(itl_first_use)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoConfig
+
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
+
+    model = args.model or bc.default_model_dir()
+    hf_cfg = AutoConfig.from_pretrained(model)
+    root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
+    n = args.requests
+    t0 = time.perf_counter()
+    for i in range(n):
+        write_adapter(os.path.join(root, f"ad{i}"), hf_cfg, seed=i, r=args.rank)
+    write_adapter(os.path.join(root, "hot"), hf_cfg, seed=10_000, r=16)
+    bc.progress(f"wrote {n + 1} rank-{args.rank} adapters in {time.perf_counter() - t0:.1f}s to {root}")
+
+    t0 = time.perf_counter()
+    llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
+              lora_memory_bytes=args.lora_memory_mb << 20, max_num_seqs=max(n, 8), max_host_adapters=n + 8,
+              enable_prefix_caching=False, cpu_threads=args.threads, cpu_compile=args.compile == "compiled")
+    startup = time.perf_counter() - t0
+    eng, reg = llm.engine, llm.engine.adapters
+    bc.progress(f"loom: device={eng.runner.device} dtype={eng.runner.dtype} {torch.get_num_threads()} threads, "
+                f"start-up {startup:.1f}s, lora pool: {reg.info()}")
+    g = torch.Generator().manual_seed(0)
+    vocab = eng.runner.vocab_size
+    prompts = [torch.randint(10, vocab - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    scenarios = {"no_lora": [None] * n, "one_adapter": ["ad0"] * n, "distinct_adapters": [f"ad{i}" for i in range(n)]}
+    # warm-up: every scenario once with 2 tokens (every adapter resident: load latency is measured separately)
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for loras in scenarios.values():
+        run_batch(llm, prompts, warm, loras)
+    loom: dict = {"startup_s": startup}
+    for name, loras in scenarios.items():
+        for _ in range(args.repeats):
+            r = run_batch(llm, prompts, params, loras)
+            if name not in loom or r["tokens_per_s"] > loom[name]["tokens_per_s"]:
+                loom[name] = r
+        bc.progress(f"loom {name}: {loom[name]['tokens_per_s']:.1f} tok/s")
+    results = {"loom": loom}
+    if not args.no_hot_load:
+        results["hot_load"] = hot_load(args, llm, root, hf_cfg, prompts)
+        bc.progress(f"hot load: {json.dumps(results['hot_load'])}")
+    reg.close()
+    del llm, eng, reg
+    if args.vllm_python:
+        results["vllm"] = run_vllm(args, model, root, prompts, scenarios)
+    text = report(results, args)
+    print(text, flush=True)
+    if "hot_load" in results:
+        print("hot load (loom):", json.dumps(results["hot_load"], indent=1), flush=True)
+    results["report"] = text
+    results["config"] = vars(args) | {"model": model, "torch_threads": torch.get_num_threads()}
+    results["machine"] = bc.machine_info()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    reg.close()
 
 
 if __name__ == "__main__":

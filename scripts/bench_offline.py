@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
-"""The published offline protocol: this engine against HF transformers, side by side in one run.
+"""The published offline protocol: this engine against vLLM's CPU build and HF transformers, in one run.
 
 N requests (default 64) of ordinary English sentences, all arriving at once, greedy, exactly --max-tokens
 tokens each (EOS ignored), the default model, float32. The same prompt token ids go to:
 
-* loom       this engine through the offline API (`LLM.stream`); a request's latency = its finish - t0;
+* loom       this engine through the offline API (`LLM.stream`), once per --threads value and per forward
+             (--compile: eager = pre-packed oneDNN GEMMs + C++ attention, compiled = torch.compile); a
+             request's latency = its finish - t0;
+* vllm       vLLM (CPU build, its own venv: --vllm-python) through AsyncLLM with concurrent streams and
+             ignore_eos, once per --vllm-threads setting (the faster is "vLLM"); latency = its last output - t0;
 * hf-static  transformers `generate` on static batches of --hf-batch-size (left padding), one batch after
              another; a request's latency = the end of its batch - t0;
 * hf-cb      transformers' own continuous batching (`model.generate_batch`, paged attention); a
              request's latency = the end of its lifespan - the first request's creation (the manager's
              set-up, sized to the same KV capacity as loom's, is reported separately, not counted).
 
-Prints tokens/s, mean/p50/p99 request latency (each also as a ratio to loom), how many requests have
-greedy tokens identical to HF static (left padding can legitimately change a few tokens in float32: a
-count, not a failure), and the share of allocated KV memory that holds real tokens at peak.
-Saves raw results (JSON) and a plot (PNG) under results/.
+Prints tokens/s and mean/p50/p99 request latency as ratios to vLLM (to loom without vLLM), how many requests
+have greedy tokens identical to vLLM's (and to HF static's: left padding can legitimately change a few tokens),
+start-up times (model load + compile), the CPU seconds other processes used during each timed part (should be
+~0 on a quiet machine), the issue's targets (loom >= 1.2x vLLM's tokens/s with lower mean latency, at each
+thread count), and the share of allocated KV memory holding real tokens. Saves JSON and a PNG under results/.
 
-    python scripts/bench_offline.py                       # the protocol: 64 prompts x 300 tokens
-    python scripts/bench_offline.py --num-prompts 32      # issue 2's target figure
-    python scripts/bench_offline.py --num-prompts 4 --max-tokens 8 --hf-batch-size 2   # smoke test
+    python scripts/bench_offline.py --num-prompts 32 --threads 1 2 --vllm-python /path/to/vllm-venv/bin/python \
+        --vllm-preload "$TCMALLOC:$VENV/lib/libiomp5.so" --skip hf-static --skip hf-cb
+    python scripts/bench_offline.py                       # loom vs HF only: 64 prompts x 300 tokens
+    python scripts/bench_offline.py --num-prompts 4 --max-tokens 8 --hf-batch-size 2 --compile eager   # smoke
 """
 from __future__ import annotations
 
@@ -31,10 +37,12 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402
+from peer_vllm_client import add_vllm_arguments, best, run_vllm_settings  # noqa: E402
 
 import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
+from harness.cpu_meter import CpuMeter  # noqa: E402
 
-SYSTEMS = ("loom", "hf-static", "hf-cb")
+HF_SYSTEMS = ("hf-static", "hf-cb")
 
 
 def parse_args(argv=None):
@@ -47,6 +55,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (all systems use the same)")
     ap.add_argument("--skip", action="append", default=[], choices=("hf-static", "hf-cb"),
                     help="leave a peer out (repeatable)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1], help="loom's compute threads (one run each)")
+    ap.add_argument("--compile", default="eager", choices=("eager", "compiled", "both"),
+                    help="loom's CPU forward: eager (pre-packed GEMMs, C++ kernels), compiled (torch.compile at "
+                         "start: minutes), or both")
+    ap.add_argument("--hf-threads", type=int, default=0,
+                    help="torch threads for the HF peers (0 = the first --threads)")
+    add_vllm_arguments(ap)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="loom's KV budget (0 = engine default)")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="loom's max running sequences (0 = engine default)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="loom's token budget per step (0 = default)")
@@ -94,7 +109,9 @@ def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: 
     tokens: list[list[int]] = [[] for _ in range(n)]
     stats0 = engine.stats()
     engine.step = sampled_step
+    meter = CpuMeter()
     try:
+        meter.__enter__()
         t0 = time.perf_counter()
         last_report, produced = t0, 0
         # LLM.stream names requests offline-<k> from one counter, in prompt order: peek at the next k
@@ -116,6 +133,7 @@ def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: 
                 bc.progress(f"  loom: {produced} tokens, {done}/{n} done, {produced / (now - t0):.1f} tok/s")
                 last_report = now
     finally:
+        meter.__exit__(None, None, None)
         engine.step = orig_step
     stats1 = engine.stats()
     return {
@@ -123,7 +141,7 @@ def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: 
         "kv_samples": samples, "block_size": bs, "kv_blocks_total": engine.block_manager.num_blocks,
         "num_preemptions": stats1.num_preemptions - stats0.num_preemptions,
         "prefix_hit_tokens": stats1.prefix_hit_tokens - stats0.prefix_hit_tokens,
-        "kv_tokens_capacity": engine.block_manager.num_blocks * bs,
+        "kv_tokens_capacity": engine.block_manager.num_blocks * bs, "cpu": meter.result,
     }
 
 
@@ -153,7 +171,8 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device):
     return model
 
 
-def run_hf_static(model, prompt_ids, max_tokens: int, batch_size: int, pad_id: int, device, quiet: bool = False) -> dict:
+def run_hf_static(model, prompt_ids, max_tokens: int, batch_size: int, pad_id: int, device,
+                  quiet: bool = False) -> dict:
     from transformers import GenerationConfig
 
     gen_cfg = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
@@ -253,54 +272,76 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "min_common_prefix": min(prefixes) if prefixes else 0}
 
 
+def _loom_names(sysres: dict) -> list[str]:
+    return [k for k in sysres if k.startswith("loom") and "error" not in sysres[k]]
+
+
+def _vllm_names(sysres: dict) -> list[str]:
+    return [k for k in sysres if k.startswith("vllm") and "error" not in sysres[k]]
+
+
+def reference_name(sysres: dict) -> str:
+    """Ratios are to vLLM's faster thread setting when vLLM ran, else to loom's first run."""
+    vl = best({k: sysres[k] for k in _vllm_names(sysres)})
+    return vl or _loom_names(sysres)[0]
+
+
 def report(res: dict, args) -> str:
-    lines = []
     sysres = res["systems"]
-    base = sysres["loom"]
+    ref = reference_name(sysres)
+    base = sysres[ref]
+    vref = ref if ref.startswith("vllm") else None
+    lines = [f"{args.num_prompts} prompts x {args.max_tokens} tokens, all at t0, greedy, EOS ignored, {args.dtype}; "
+             f"ratios are system / {ref}; other CPU s = CPU time other processes used during the timed part"]
     rows = []
-    for name in SYSTEMS:
-        r = sysres.get(name)
-        if r is None:
-            continue
+    for name, r in sysres.items():
         if "error" in r:
-            rows.append([name, "failed"] + [None] * 8)
+            rows.append([name] + [None] * 11 + ["FAILED"])
             continue
         s = r["latency"]
-        ident = r.get("agreement_vs_hf_static")
-        rows.append([name, r["tokens_per_s"], bc.ratio(r["tokens_per_s"], base["tokens_per_s"]),
-                     s["mean"], bc.ratio(s["mean"], base["latency"]["mean"]),
-                     s["p50"], bc.ratio(s["p50"], base["latency"]["p50"]),
-                     s["p99"], bc.ratio(s["p99"], base["latency"]["p99"]),
-                     f"{ident['identical']}/{ident['total']}" if ident else ("(reference)" if name == "hf-static" else "-")])
-    lines.append(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, EOS ignored, {args.dtype}, "
-                 f"HF static batch {args.hf_batch_size}; ratios are system / loom")
-    lines.append(bc.table(["system", "tok/s", "x loom", "mean lat s", "x loom", "p50 s", "x loom", "p99 s", "x loom",
-                           "same tokens as hf-static"], rows))
+        same = r.get("agreement_vs_ref")
+        rows.append([name, r.get("threads"), r["tokens_per_s"], bc.ratio(r["tokens_per_s"], base["tokens_per_s"]),
+                     s["mean"], bc.ratio(s["mean"], base["latency"]["mean"]), s["p50"], s["p99"],
+                     r.get("startup_s"), r.get("cpu", {}).get("other_cpu_s"),
+                     f"{same['identical']}/{same['total']}" if same else "(ref)" if name == ref else "-",
+                     (lambda a: f"{a['identical']}/{a['total']}" if a else "-")(r.get("agreement_vs_hf_static")), ""])
+    lines.append(bc.table(["system", "threads", "tok/s", f"x {ref}", "mean lat s", f"x {ref}", "p50 s", "p99 s",
+                           "start-up s", "other CPU s", f"same tokens as {ref}", "as hf-static", ""], rows))
     lines.append("")
-    for name in SYSTEMS[1:]:
-        r = sysres.get(name)
-        if r and "error" not in r:
-            lines.append(f"loom vs {name}: {bc.ratio(base['tokens_per_s'], r['tokens_per_s']):.2f}x the tokens/s, "
-                         f"mean latency {bc.ratio(base['latency']['mean'], r['latency']['mean']):.2f}x theirs")
-        elif r:
-            lines.append(f"{name}: FAILED: {r['error']}")
-    ag = base.get("agreement_vs_hf_cb")
-    if ag:
-        lines.append(f"greedy tokens identical to hf-cb: {ag['identical']}/{ag['total']} "
-                     f"(mean common prefix {ag['mean_common_prefix']:.0f} tokens)")
-    ag = base.get("agreement_vs_hf_static")
-    if ag:
-        lines.append(f"greedy tokens identical to hf-static: {ag['identical']}/{ag['total']} "
-                     f"(mean common prefix {ag['mean_common_prefix']:.0f} of {args.max_tokens}; left padding can "
-                     f"change a few tokens in float32)")
-    kv = base.get("kv", {})
+    for name, r in sysres.items():
+        if "error" in r:
+            lines.append(f"{name}: FAILED: {r['error'][-600:]}")
+    if vref:
+        settings = ", ".join(f"{k}: {sysres[k]['tokens_per_s']:.1f} tok/s" for k in _vllm_names(sysres))
+        lines.append(f"vLLM = its faster setting ({settings}); vLLM {sysres[vref].get('vllm_version', '?')}")
+        for t in sorted({sysres[k]["threads"] for k in _loom_names(sysres)}):
+            names = [k for k in _loom_names(sysres) if sysres[k]["threads"] == t]
+            top = max(names, key=lambda k: sysres[k]["tokens_per_s"])
+            r = sysres[top]
+            tp = bc.ratio(r["tokens_per_s"], base["tokens_per_s"])
+            lat = bc.ratio(r["latency"]["mean"], base["latency"]["mean"])
+            ag = r.get("agreement_vs_ref") or {"identical": 0, "total": 0}
+            ok = tp >= 1.2 and lat < 1.0 and ag["identical"] == ag["total"]
+            lines.append(f"TARGET loom with {t} compute thread(s) ({top}): {tp:.2f}x vLLM's tokens/s (>= 1.2), "
+                         f"mean latency {lat:.2f}x (< 1), greedy tokens identical {ag['identical']}/{ag['total']}: "
+                         f"{'met' if ok else 'NOT met'}")
+        lines.append("start-up (model load + compile): " + ", ".join(
+            f"{k} {sysres[k]['startup_s']:.1f}s" for k in sysres if "error" not in sysres[k] and
+            sysres[k].get("startup_s") is not None))
+    for name in _loom_names(sysres):
+        ag = sysres[name].get("agreement_vs_hf_static")
+        if ag:
+            lines.append(f"{name}: greedy tokens identical to hf-static {ag['identical']}/{ag['total']} (mean common "
+                         f"prefix {ag['mean_common_prefix']:.0f} of {args.max_tokens}; left padding can change a few)")
+    first = sysres[_loom_names(sysres)[0]]
+    kv = first.get("kv", {})
     if kv:
         lines.append(f"KV memory holding real tokens at peak: loom {kv['share_at_peak']:.1%} "
-                     f"({kv['tokens_at_peak']} tokens in {kv['blocks_at_peak']} blocks of {base['block_size']}; "
-                     f"{kv['blocks_used_over_total_at_peak']:.1%} of the {base['kv_blocks_total']} blocks in use), "
-                     f"lowest over steps {kv['share_min']:.1%}; preemptions {base['num_preemptions']}, "
-                     f"prefix-cache hit tokens {base['prefix_hit_tokens']}")
-    for name in SYSTEMS[1:]:
+                     f"({kv['tokens_at_peak']} tokens in {kv['blocks_at_peak']} blocks of {first['block_size']}; "
+                     f"{kv['blocks_used_over_total_at_peak']:.1%} of the {first['kv_blocks_total']} blocks in use), "
+                     f"lowest over steps {kv['share_min']:.1%}; preemptions {first['num_preemptions']}, "
+                     f"prefix-cache hit tokens {first['prefix_hit_tokens']}")
+    for name in HF_SYSTEMS:
         r = sysres.get(name)
         if r and "kv" in r:
             lines.append(f"  {name}: {r['kv']['share_at_peak']:.1%} ({r['kv']['note']})")
@@ -325,11 +366,12 @@ def plot(res: dict, path: Path) -> None:
     ax.legend()
     ax = axes[0][1]
     names = list(sysres)
-    ax.bar(names, [sysres[n]["tokens_per_s"] for n in names], color=["C0", "C1", "C2"][:len(names)])
+    ax.bar(names, [sysres[n]["tokens_per_s"] for n in names], color=[f"C{i}" for i in range(len(names))])
     ax.set_ylabel("output tokens/s")
     ax.set_title("throughput")
+    ax.tick_params(axis="x", labelrotation=30)
     ax = axes[0][2]
-    loom = sysres.get("loom")
+    loom = next((sysres[k] for k in sysres if k.startswith("loom")), None)
     if loom and loom["kv_samples"]:
         bs = loom["block_size"]
         t = [s[0] for s in loom["kv_samples"]]
@@ -340,7 +382,7 @@ def plot(res: dict, path: Path) -> None:
         ax.set_title("loom KV cache")
         ax.legend()
     fig.suptitle(f"{res['config']['num_prompts']} prompts x {res['config']['max_tokens']} tokens, "
-                 f"{res['config']['dtype']}, {res['machine']['cpu']} ({res['machine']['torch_threads']} threads)")
+                 f"{res['config']['dtype']}, {res['machine']['cpu']}")
     bc.save_figure(plt, fig, path)
 
 
@@ -356,12 +398,55 @@ def finish_system(r: dict, max_tokens: int) -> dict:
     return r
 
 
+def run_loom_variants(args, model_dir: str, prompt_ids, warm_ids) -> dict[str, dict]:
+    from loom.engine.llm import LLM
+
+    modes = ["eager", "compiled"] if args.compile == "both" else [args.compile]
+    out = {}
+    for threads in args.threads:
+        for mode in modes:
+            name = f"loom {mode} {threads}t"
+            bc.progress(f"{name}: loading{' and compiling (minutes)' if mode == 'compiled' else ''}")
+            t = time.perf_counter()
+            llm = LLM(model_dir, **engine_kwargs(args), cpu_threads=threads, cpu_compile=mode == "compiled")
+            startup = time.perf_counter() - t
+            if not args.no_warmup:
+                # the same lengths and batch shapes, other tokens (rotated): nothing of the timed prompts is in
+                # the prefix cache afterwards
+                bc.progress(f"{name}: warm-up (all prompts rotated, 2 tokens)")
+                run_loom(llm, warm_ids, 2, 1e9)
+            bc.progress(f"{name}: running ({torch.get_num_threads()} torch threads)")
+            r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
+            r.update(kv=loom_kv_share(r), threads=threads, mode=mode, startup_s=startup,
+                     compile_s=llm.engine.runner.forward.compile_s)
+            out[name] = r
+            bc.progress(f"{name}: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, mean latency "
+                        f"{r['latency']['mean']:.2f}s, other CPU {r['cpu']['other_cpu_s']:.1f}s")
+            del llm
+            gc.collect()
+    return out
+
+
+def run_vllm(args, model_dir: str, prompt_ids) -> dict[str, dict]:
+    job = {"model": model_dir, "prompts": prompt_ids, "max_tokens": args.max_tokens, "dtype": args.dtype,
+           "kv_cache_gib": max(1, round((args.kv_cache_memory_bytes or 1 << 30) / (1 << 30))),
+           "warmup": not args.no_warmup}
+    out = {}
+    for name, r in run_vllm_settings(args, job, bc.progress).items():
+        if "error" not in r:
+            reqs = r.pop("requests")
+            r.update(tokens=[q["token_ids"] for q in reqs], latencies_s=[q["latency_s"] for q in reqs],
+                     first_token_s=[q["ttft_s"] for q in reqs], threads=r["threads"])
+            r = finish_system(r, args.max_tokens)
+        out[name] = r
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
     from loom.engine.config import EngineConfig
-    from loom.engine.llm import LLM
 
     model_dir = args.model or bc.default_model_dir()
     device = EngineConfig(model=model_dir, device=args.device).torch_device
@@ -372,32 +457,23 @@ def main(argv=None) -> int:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     lens = [len(p) for p in prompt_ids]
     bc.progress(f"{args.num_prompts} prompts ({min(lens)}-{max(lens)} tokens, mean {sum(lens) / len(lens):.1f}) x "
-                f"{args.max_tokens} tokens, {args.dtype} on {device}, {torch.get_num_threads()} threads")
+                f"{args.max_tokens} tokens, {args.dtype} on {device}")
     res = {"config": vars(args) | {"model_dir": model_dir, "prompt_lens": lens}, "machine": bc.machine_info(),
            "prompts": texts, "systems": {}}
-
-    # loom first; freed before the peers so they get the memory
-    bc.progress("loom: loading")
-    llm = LLM(model_dir, **engine_kwargs(args))
-    # Warm-up prompts: the same lengths and batch shapes, other tokens (rotated), so that nothing of the timed
-    # prompts is in loom's prefix cache afterwards.
     warm_ids = [p[1:] + p[:1] for p in prompt_ids]
-    if not args.no_warmup:
-        bc.progress("loom: warm-up (all prompts rotated, 2 tokens)")
-        run_loom(llm, warm_ids, 2, 1e9)
-    bc.progress("loom: running")
-    r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
-    r["kv"] = loom_kv_share(r)
-    res["systems"]["loom"] = r
-    kv_tokens = r["kv_tokens_capacity"]
-    bc.progress(f"loom: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, "
-                f"mean latency {r['latency']['mean']:.2f}s")
-    del llm
-    gc.collect()
 
+    # loom first; each engine is freed before the next system so every one gets the memory
+    res["systems"].update(run_loom_variants(args, model_dir, prompt_ids, warm_ids))
+    first = next(iter(res["systems"].values()))
+    kv_tokens = first["kv_tokens_capacity"]
+    if args.vllm_python:
+        res["systems"].update(run_vllm(args, model_dir, prompt_ids))
+
+    hf_threads = args.hf_threads or args.threads[0]
+    torch.set_num_threads(hf_threads)
     model = None
     if "hf-static" not in args.skip or "hf-cb" not in args.skip:
-        bc.progress("hf: loading")
+        bc.progress(f"hf: loading ({hf_threads} torch threads)")
         model = load_hf_model(model_dir, dtype, device)
     if "hf-static" not in args.skip:
         try:
@@ -405,8 +481,10 @@ def main(argv=None) -> int:
                 bc.progress("hf-static: warm-up (one batch, 2 tokens)")
                 run_hf_static(model, warm_ids[:args.hf_batch_size], 2, args.hf_batch_size, pad_id, device, quiet=True)
             bc.progress("hf-static: running")
-            r = finish_system(run_hf_static(model, prompt_ids, args.max_tokens, args.hf_batch_size, pad_id, device),
-                              args.max_tokens)
+            with CpuMeter() as meter:
+                r = run_hf_static(model, prompt_ids, args.max_tokens, args.hf_batch_size, pad_id, device)
+            r = finish_system(r, args.max_tokens)
+            r.update(cpu=meter.result, threads=hf_threads)
             res["systems"]["hf-static"] = r
             bc.progress(f"hf-static: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s")
         except Exception as e:  # report and go on
@@ -418,22 +496,27 @@ def main(argv=None) -> int:
                 bc.progress("hf-cb: warm-up (all prompts rotated, 2 tokens)")
                 run_hf_cb(model, warm_ids, 2, pad_id, kv_tokens, device, 1e9)
             bc.progress("hf-cb: running generate_batch")
-            r = finish_system(run_hf_cb(model, prompt_ids, args.max_tokens, pad_id, kv_tokens, device,
-                                        args.progress_every), args.max_tokens)
+            with CpuMeter() as meter:
+                r = run_hf_cb(model, prompt_ids, args.max_tokens, pad_id, kv_tokens, device, args.progress_every)
+            r = finish_system(r, args.max_tokens)
+            r.update(cpu=meter.result, threads=hf_threads)
             res["systems"]["hf-cb"] = r
-            bc.progress(f"hf-cb: done in {r['wall_s']:.1f}s (+{r['setup_s']:.1f}s set-up), {r['tokens_per_s']:.1f} tok/s")
+            bc.progress(f"hf-cb: done in {r['wall_s']:.1f}s (+{r['setup_s']:.1f}s set-up), "
+                        f"{r['tokens_per_s']:.1f} tok/s")
         except Exception as e:  # e.g. not available in this transformers version
             bc.progress(f"hf-cb FAILED: {type(e).__name__}: {e}")
             res["systems"]["hf-cb"] = {"error": f"{type(e).__name__}: {e}"}
 
-    loom = res["systems"]["loom"]
-    for name in SYSTEMS[1:]:
-        r = res["systems"].get(name)
-        if r and "error" not in r:
-            ag = agreement(loom["tokens"], r["tokens"])
-            loom[f"agreement_vs_{name.replace('-', '_')}"] = ag
-            if name == "hf-cb" and "hf-static" in res["systems"] and "error" not in res["systems"]["hf-static"]:
-                r["agreement_vs_hf_static"] = agreement(r["tokens"], res["systems"]["hf-static"]["tokens"])
+    sysres = res["systems"]
+    ref = reference_name(sysres)
+    static = sysres.get("hf-static")
+    for name, r in sysres.items():
+        if "error" in r:
+            continue
+        if name != ref:
+            r["agreement_vs_ref"] = agreement(r["tokens"], sysres[ref]["tokens"])
+        if static and "error" not in static and name != "hf-static":
+            r["agreement_vs_hf_static"] = agreement(r["tokens"], static["tokens"])
 
     text = report(res, args)
     print(text, flush=True)

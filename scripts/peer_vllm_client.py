@@ -3,16 +3,20 @@
     from peer_vllm_client import run_vllm_peer
     res = run_vllm_peer("/work/peers/vllm-venv/bin/python", job, timeout_s=900)
 
-The job/result protocol is described in vllm_peer.py's docstring.
+The job/result protocol is described in vllm_peer.py's docstring. The benchmark scripts take the venv with
+--vllm-python (or LOOM_VLLM_PYTHON) and run one job per thread setting (`run_vllm_settings`).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 PEER = Path(__file__).resolve().with_name("vllm_peer.py")
 
@@ -44,3 +48,43 @@ def run_vllm_peer(vllm_python: str, job: dict, timeout_s: float, env: dict | Non
             raise RuntimeError(f"vLLM peer failed ({rc}); last output:\n{tail}")
         with open(out_path) as f:
             return json.load(f)
+
+
+# ---- what the benchmark scripts share ---------------------------------------------------------------
+
+def add_vllm_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--vllm-python", default=os.environ.get("LOOM_VLLM_PYTHON", ""),
+                    help="python of a venv with vLLM's CPU build (env LOOM_VLLM_PYTHON); empty = no vLLM peer")
+    ap.add_argument("--vllm-threads", nargs="+", default=["auto", "0,1"],
+                    help="VLLM_CPU_OMP_THREADS_BIND settings to try, the faster is reported as vLLM (auto: compute "
+                         "on one core, its engine-core busy-polls the other; 0,1: compute on both)")
+    ap.add_argument("--vllm-preload", default=os.environ.get("LOOM_VLLM_PRELOAD", ""),
+                    help="LD_PRELOAD for vLLM (tcmalloc and the venv's libiomp5.so, as vLLM recommends; env "
+                         "LOOM_VLLM_PRELOAD)")
+    ap.add_argument("--vllm-timeout", type=float, default=2400.0, help="seconds one vLLM run may take (start incl.)")
+
+
+def run_vllm_settings(args, job: dict, progress: Callable[[str], None], label: str = "vllm") -> dict[str, dict]:
+    """One peer run per --vllm-threads setting: {"<label> <threads>": result or {"error": ...}}."""
+    env = {"LD_PRELOAD": args.vllm_preload} if args.vllm_preload else {}
+    out = {}
+    for threads in args.vllm_threads:
+        name = f"{label} {threads}"
+        progress(f"{name}: starting (compiles its model at every start: minutes)")
+        t = time.perf_counter()
+        try:
+            res = run_vllm_peer(args.vllm_python, {**job, "threads": threads}, args.vllm_timeout, env)
+        except RuntimeError as e:
+            progress(f"{name} FAILED: {e}")
+            out[name] = {"error": str(e)}
+            continue
+        res["process_s"] = time.perf_counter() - t
+        progress(f"{name}: start-up {res['startup_s']:.1f}s, {res['tokens_per_s']:.1f} tok/s")
+        out[name] = res
+    return out
+
+
+def best(results: dict[str, dict]) -> str | None:
+    """The name of the fastest successful run (tokens/s)."""
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    return max(ok, key=lambda k: ok[k]["tokens_per_s"]) if ok else None

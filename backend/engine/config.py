@@ -42,6 +42,9 @@ class EngineConfig:
     # Schedule and launch step N+1 while step N runs on the device (its outputs come one step later; tokens are
     # the same). Pays off where the forward is asynchronous (CUDA); on CPU the forward is synchronous.
     async_scheduling: bool = False
+    # CPU
+    cpu_threads: int = 0  # compute threads; 0 = torch's count, capped at the cores this process may use
+    cpu_compile: bool = False  # torch.compile the forward at start (minutes; faster steps)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +68,9 @@ class EngineConfig:
               "lora_expert_memory_bytes", "must be an integer >= 0 (0 = no LoRA on MoE experts)")
         check(isinstance(self.async_scheduling, bool), "async_scheduling", "must be true or false")
         check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
+        check(isinstance(self.cpu_threads, int) and 0 <= self.cpu_threads <= 1024, "cpu_threads",
+              f"must be in [0, 1024] (0 = automatic), got {self.cpu_threads!r}")
+        check(isinstance(self.cpu_compile, bool), "cpu_compile", f"must be true or false, got {self.cpu_compile!r}")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
         check(isinstance(self.cuda_graph_max_batch, int) and 0 <= self.cuda_graph_max_batch <= 4096,
               "cuda_graph_max_batch", f"must be in [0, 4096] (0 = automatic), got {self.cuda_graph_max_batch!r}")

@@ -1,15 +1,23 @@
-"""CPU tuning the engine applies at its start (not at import: importing loom has no side effects)."""
+"""CPU set-up the engine applies at its start (not at import: importing loom has no side effects): the number
+of compute threads, MKL's instruction set on AMD, and the linear layers' GEMMs over packed weights."""
 from __future__ import annotations
 
+import logging
 import os
+
+import torch
+from torch import nn
+
+log = logging.getLogger("loom")
 
 
 def tune_mkl_for_amd() -> None:
-    """MKL's AVX-512 GEMM path is pathologically slow for small-M matmuls on AMD EPYC (measured here: 16 ms vs
-    0.18 ms for an fp32 [8,1536]x[1536,576] matmul); its AVX2 kernels are the fast ones there. MKL reads the
-    variable when it first dispatches, so the engine's start is early enough; entry points that run other
-    torch work first (benchmarks with HF peers, tests) call this before importing torch. A user's own setting
-    always wins."""
+    """MKL's AVX-512 GEMM path is pathologically slow for small-M matmuls on AMD EPYC CPUs that have AVX-512
+    (Zen 4: 16 ms vs 0.18 ms for an fp32 [8,1536]x[1536,576] matmul); its AVX2 kernels are the fast ones there.
+    MKL reads the variable once, when it first dispatches a GEMM, not when torch loads it: calling this after
+    `import torch` works as long as no matmul ran yet.
+    The engine calls it at its start; entry points that run torch work first (benchmarks with HF peers,
+    tests) call it before that work. A user's own setting always wins."""
     if "MKL_ENABLE_INSTRUCTIONS" in os.environ:
         return
     try:
@@ -19,3 +27,61 @@ def tune_mkl_for_amd() -> None:
         return
     if amd:
         os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+
+
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask: taskset, cgroup cpusets, Triton's instance groups)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def compute_threads(requested: int) -> int:
+    """requested > 0: that many; 0: torch's current count (its default is the cores it saw at start). Either
+    way at most the cores available now: more threads than cores only time-slice, and every OpenMP barrier then
+    waits for a descheduled thread (several times slower)."""
+    cores = available_cores()
+    n = requested if requested > 0 else torch.get_num_threads()
+    if requested > cores:
+        log.warning("cpu_threads=%d is more than the %d cores available to this process: using %d",
+                    requested, cores, cores)
+    return max(1, min(n, cores))
+
+
+def serving_threads(instances: int = 1) -> int:
+    """Default inside a server: the available cores less one for the server's own threads (gRPC, the Python
+    backend's stub, response senders), shared between the model's instances; at least 1."""
+    return max(1, (available_cores() - 1) // max(1, instances))
+
+
+def set_compute_threads(requested: int) -> int:
+    n = compute_threads(requested)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    from loom.kernels import cpu_ext
+
+    return device.type == "cpu" and dtype == torch.float32 and cpu_ext.load() is not None
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Route every linear layer of a CPU float32 model through the C++ GEMM over packed weights
+    (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head) via its forward.
+    Returns how many were packed; each holds a second, packed copy of its weight."""
+    from loom.kernels.cpu_linear import PackedWeight
+    from loom.layers.linear import LoRALinear
+
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, LoRALinear):
+            mod.dense = PackedWeight(mod.weight, mod.bias)
+        elif isinstance(mod, nn.Linear):
+            mod.forward = PackedWeight(mod.weight, mod.bias)
+        else:
+            continue
+        n += 1
+    return n

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from loom.device import bind_thread, resolve_device
+from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros((self.num_layers, 2) + shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.forward = build_forward(self)  # eager, or compiled on CPU (cpu_compile)
 
     def _make_buffers(self):
         from loom.engine.step_buffers import StepBuffers
@@ -97,9 +99,11 @@ class ModelRunner:
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile every Triton variant this configuration can launch and capture the decode graphs, so that
-        serving never compiles. Call once the model is final (the adapter registry has attached its pools)."""
+        serving never compiles; a compiled CPU forward (cpu_compile) compiles here. Call once the model is final
+        (the adapter registry has attached its pools)."""
         from loom.engine.warmup import warm_up
 
+        self.forward.warm_up(self.block_size)
         self.warmup = warm_up(self)
 
     def enable_graph_emulation(self) -> None:
@@ -203,7 +207,5 @@ class ModelRunner:
                 return out
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with forward_context(ctx):
-            hidden = self.model(ids, ctx.positions)
-            logits = (self.model.compute_logits(hidden[ctx.logits_indices]) if sampled or extra_rows
-                      else hidden.new_empty((0, self.vocab_size), dtype=torch.float32))
+            logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
         return logits, sampled

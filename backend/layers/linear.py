@@ -1,15 +1,18 @@
 """A linear layer whose output may be several merged projections (q|k|v, gate|up), with batched LoRA.
 
 LoRA pools (`lora_a`, `lora_b`) are allocated and attached by the adapter registry; the per-step
-grouping of tokens by adapter comes from the forward context.
+grouping of tokens by adapter comes from the forward context (under torch.compile, through the opaque op
+`loom::apply_lora`).
 """
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import lora_expand, lora_shrink
+from loom.kernels import lora_expand, lora_shrink, torch_ops
 from loom.layers.forward_context import get_forward_context
 
 
@@ -27,13 +30,27 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
+        self.dense: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        # `dense`: set by the engine on CPU to a GEMM over a packed copy of the weight (kernels/cpu_linear.py)
+        y = F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         if self.lora_a is not None:
-            meta = get_forward_context().lora
-            if meta is not None and meta.token_indices.numel() > 0 and \
-                    (meta.module_groups is None or self.lora_group in meta.module_groups):
-                buf = lora_shrink(x, self.lora_a, meta)
-                lora_expand(buf, self.lora_b, self.slice_offsets, meta, y)
+            fn = torch.ops.loom.apply_lora if torch.compiler.is_compiling() else apply_lora
+            fn(x, y, self.lora_a, self.lora_b, self.slice_offsets, self.lora_group)
         return y
+
+
+def apply_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slice_offsets: list[int],
+               group: Optional[str]) -> None:
+    """y += this step's LoRA deltas for the tokens that have an adapter targeting `group` (in place)."""
+    meta = get_forward_context().lora
+    if meta is not None and meta.token_indices.numel() > 0 and \
+            (meta.module_groups is None or group in meta.module_groups):
+        buf = lora_shrink(x, lora_a, meta)
+        lora_expand(buf, lora_b, slice_offsets, meta, y)
+
+
+# Under torch.compile the LoRA part is one opaque op: it reads the per-step forward context.
+torch_ops.define("apply_lora(Tensor x, Tensor(a!) y, Tensor lora_a, Tensor lora_b, SymInt[] slice_offsets, "
+                 "str? group) -> ()", apply_lora, lambda *args: None)

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from loom.engine.config import EngineConfig
+from loom.engine.cpu import serving_threads
 from loom.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
 from loom.errors import ConfigError, RequestError
 from loom.serving.request_parser import Limits, to_bool, to_float, to_int
@@ -89,8 +90,9 @@ def _path(p: str, base_dir: str) -> str:
     return p if os.path.isabs(p) else os.path.normpath(os.path.join(base_dir, p))
 
 
-def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
-    """`parameters`: config.pbtxt's parameters as in args["model_config"] ({key: {"string_value": v}})."""
+def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1) -> ServeConfig:
+    """`parameters`: config.pbtxt's parameters as in args["model_config"] ({key: {"string_value": v}});
+    `instances`: how many model instances the server runs (they share the cores)."""
     eng_kwargs: dict = {}
     opt_kwargs: dict = {}
     aliased: dict[str, tuple[str, object]] = {}
@@ -117,6 +119,9 @@ def parse_model_parameters(parameters: dict, model_dir: str) -> ServeConfig:
         else:
             known = sorted(set(_ENGINE_TYPES) | set(_OPTION_TYPES))
             raise ConfigError(key, f"unknown parameter; known: {', '.join(known)}")
+    if not eng_kwargs.get("cpu_threads"):
+        # Inside a server the engine shares the cores with the server's own threads: never oversubscribe them.
+        eng_kwargs["cpu_threads"] = serving_threads(instances)
     for name, (key, v) in aliased.items():
         if name in opt_kwargs and opt_kwargs[name] != v:
             raise ConfigError(key, f"is {v} but {name} is {opt_kwargs[name]}; they are the same switch, set one")

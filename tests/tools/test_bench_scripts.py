@@ -65,9 +65,9 @@ def test_bench_offline_smoke(tmp_path):
              "--no-warmup", "--out-dir", str(tmp_path), "--progress-every", "5")
     assert "loom" in p.stdout and "hf-static" in p.stdout and "x loom" in p.stdout
     assert "KV memory holding real tokens at peak" in p.stdout
-    assert "loom: running" in p.stderr  # progress lines
+    assert "loom eager 1t: running" in p.stderr  # progress lines (one loom run per thread count and forward)
     data = json.loads(_one(tmp_path, "bench_offline-*.json").read_text())
-    loom = data["systems"]["loom"]
+    loom = data["systems"]["loom eager 1t"]
     assert [len(t) for t in loom["tokens"]] == [8] * 4  # EOS ignored: exactly max_tokens each
     assert loom["tokens_per_s"] > 0 and len(loom["latencies_s"]) == 4
     assert 0 < loom["kv"]["share_at_peak"] <= 1 and loom["num_preemptions"] == 0

@@ -1,0 +1,114 @@
+"""The model's forward + logits as one callable for the model runner: eager, or compiled with torch.compile.
+
+Eager: the model as written; on CPU float32 its linear layers run the C++ GEMM over packed weights
+(kernels/cpu_linear.py, set up by engine/cpu.py) and attention / LoRA the in-place C++ kernels
+(kernels/cpu_*.py). With LOOM_CPU_KERNELS=0 it is the PyTorch reference path (F.linear, SDPA).
+
+Compiled (`cpu_compile`, CPU only): inductor over the whole forward and the logits - the elementwise work
+between the GEMMs (norms, residual adds, rotary, SiLU) is fused into generated C++ loops and the Python of
+~30 layers becomes one call. The GEMMs (`loom::linear_packed`), attention (`loom::paged_attention`) and LoRA
+(`loom::apply_lora`) stay opaque ops, the same kernels as eager; the last two read the per-step forward
+context. Token and logits counts are unbacked dynamic sizes: one graph serves every step, sizes 0 and 1
+included. Compiled once per start (minutes for a 30-layer model on one core); inductor's caches on disk
+(its FX graph and compiled C++ kernels) shorten later starts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("loom")
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _forward(model) -> Forward:
+    def forward(input_ids, positions, logits_indices):
+        return model.compute_logits(model(input_ids, positions)[logits_indices])
+
+    return forward
+
+
+class EagerForward:
+    """forward(input_ids [T], positions [T], logits_indices [S]) -> logits [S, vocab] float32: the model as written."""
+
+    compile_s = 0.0
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, positions, logits_indices):
+        hidden = self.model(input_ids, positions)
+        if logits_indices.shape[0] == 0:  # a step that samples nothing (a prefill chunk): no GEMM of 0 rows
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[logits_indices])
+
+    def warm_up(self, block_size: int) -> None:
+        pass
+
+
+def build_forward(runner) -> EagerForward | CompiledForward:
+    """The runner's forward; on CPU also applies the thread count and the CPU tuning and packs the linear
+    weights; with cpu_compile it compiles in warm_up() (called once the LoRA pools are attached) or else in
+    the first step."""
+    from loom.engine import cpu
+    from loom.kernels import cpu_ext
+
+    model, config = runner.model, runner.config
+    if runner.device.type != "cpu":
+        return EagerForward(model)
+    cpu.tune_mkl_for_amd()
+    cpu.set_compute_threads(config.cpu_threads)
+    # Build (once per machine) or load the C++ kernels now, not in the first step; one log line says which path
+    # runs (a failed build has logged its warning instead).
+    if runner.dtype != torch.float32:
+        log.info("CPU kernels: float32 only; this %s model runs the PyTorch references", runner.dtype)
+    elif cpu_ext.load() is not None or not cpu_ext.enabled():
+        log.info("%s", cpu_ext.describe())
+    if cpu.can_pack(runner.dtype, runner.device):
+        cpu.pack_linear_weights(model)
+    return CompiledForward(model) if config.cpu_compile else EagerForward(model)
+
+
+class CompiledForward:
+    """forward(input_ids [T], positions [T], logits_indices [S]) -> logits [S, vocab] float32, compiled."""
+
+    def __init__(self, model):
+        self.model = model
+        self.compile_s = 0.0
+        # No guards: the graph holds for every step of this model (unbacked sizes; the model does not change after
+        # warm_up, and the per-step state is read at run time by the opaque ops). Evaluating the guards on the
+        # ~800 modules and tensors would cost ~10 ms a step.
+        self._fn = torch.compile(_forward(model), dynamic=True, fullgraph=True,
+                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+
+    def __call__(self, input_ids, positions, logits_indices):
+        # Unbacked sizes: torch would otherwise specialise sizes 0 and 1 and compile again mid-run (a single
+        # decode, a chunk that samples nothing).
+        for t in (input_ids, positions, logits_indices):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        if self.compile_s:
+            return self._fn(input_ids, positions, logits_indices)
+        t0 = time.perf_counter()
+        out = self._fn(input_ids, positions, logits_indices)
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled the CPU forward in %.1fs", self.compile_s)
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self, block_size: int) -> None:
+        """Compile now with a dummy step: one 2-token prefill that stores nothing (slots -1) and reads block 0.
+        Call it once the model is final (LoRA pools attached): attributes the graph reads are guarded."""
+        if self.compile_s:
+            return
+        from loom.layers.forward_context import AttentionMeta, ForwardContext, forward_context
+
+        i32 = dict(dtype=torch.int32)
+        pre = AttentionMeta(torch.tensor([0, 2], **i32), torch.tensor([2], **i32), torch.zeros((1, 1), **i32), 2, 2)
+        ctx = ForwardContext(positions=torch.arange(2), slot_mapping=torch.full((2,), -1), num_decode_seqs=0,
+                             decode=None, prefill=pre, logits_indices=torch.tensor([1]))
+        with forward_context(ctx):
+            self(torch.zeros(2, dtype=torch.long), ctx.positions, ctx.logits_indices)

@@ -1,0 +1,103 @@
+"""Paged attention on CPU that reads K/V in place through the block table (C++, kernels/cpu_ext.py), and the
+store of a step's K/V into the cache.
+
+The references (paged_decode_attention_ref / paged_prefill_attention_ref) gather every sequence's K/V
+into a padded copy and run SDPA; these walk the block table instead: per (sequence, kv head) for decode,
+the kv group's query heads share each key row read; per (sequence, query tile of 16, head) for prefill.
+Same signatures and options as the references (docs/CONTRACTS.md): `sliding_window` W - a query at
+position p sees keys k with p - W < k <= p; `softcap` c - scores become c * tanh(s / c) before softmax.
+Anything the C++ kernels do not take (not float32, or the extension failed to build) runs the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from loom.kernels import cpu_ext
+from loom.kernels.kv_store import store_kv_ref
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
+
+PREFILL_TILE = 16  # query rows sharing each key row read
+
+
+def _options(sliding_window, softcap) -> tuple[int, float]:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    return int(sliding_window or 0), float(softcap or 0.0)
+
+
+def _cache_ok(k_cache, v_cache) -> bool:
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
+    """k/v [T, KVH, D] into the caches at slot_mapping [T] (block * block_size + offset; -1 = skip), as
+    store_kv_ref; one row copy per token."""
+    lib = cpu_ext.load()
+    T = k.shape[0]
+    ok = (lib is not None and cpu_ext.usable(k, v, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
+          and k.shape == v.shape and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+          and slot_mapping.shape[0] == T and all(_rows(t) for t in (k, v)))
+    if not ok:
+        return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    if T:
+        lib.loom_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slot_mapping.data_ptr(), T, k_cache.shape[2] * k_cache.shape[3])
+
+
+def _rows(t: torch.Tensor) -> bool:
+    # each token's [KVH, D] contiguous (tokens may be strided, e.g. views into a fused qkv output)
+    return t.stride(-1) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+
+
+def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
+                               softcap=None):
+    """q [B, H, D], caches [blocks, block_size, KVH, D], block_tables [B, M] int32, seq_lens [B] int32."""
+    window, cap = _options(sliding_window, softcap)
+    lib = cpu_ext.load()
+    if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
+            (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                                          sliding_window=sliding_window, softcap=softcap)
+    if out is None:
+        out = torch.empty_like(q)
+    B, H, D = q.shape
+    if B == 0:
+        return out
+    _, block_size, KVH, _ = k_cache.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    bt, sl = _i32(block_tables), _i32(seq_lens)
+    lib.loom_paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+                          KVH, D, bt.data_ptr(), bt.shape[1], sl.data_ptr(), B, H, out.data_ptr(), out.stride(0),
+                          out.stride(1), scale, window, cap, cpu_ext.nthreads())
+    return out
+
+
+def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
+                                out=None, sliding_window=None, softcap=None):
+    """q [T, H, D]; sequence s owns rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len_s + i."""
+    window, cap = _options(sliding_window, softcap)
+    lib = cpu_ext.load()
+    if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
+            (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
+        return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
+                                           scale, out=out, sliding_window=sliding_window, softcap=softcap)
+    if out is None:
+        out = torch.empty_like(q)
+    T, H, D = q.shape
+    if T == 0:
+        return out
+    _, block_size, KVH, _ = k_cache.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    cu, sl, bt = _i32(cu_seqlens_q), _i32(seq_lens), _i32(block_tables)
+    lib.loom_paged_prefill(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                           block_size, KVH, D, cu.data_ptr(), sl.data_ptr(), sl.shape[0], bt.data_ptr(), bt.shape[1],
+                           H, out.data_ptr(), out.stride(0), out.stride(1), scale, window, cap, PREFILL_TILE,
+                           cpu_ext.nthreads())
+    return out

@@ -1,0 +1,89 @@
+"""The C++ CPU kernels' build (kernels/cpu_ext.py): without a compiler or with a failing one, the dispatcher
+runs the PyTorch references (identical results, one warning); concurrent first builds compile once."""
+import pytest
+import torch
+
+import harness.kernel_cases as kcases
+from loom.kernels import cpu_ext, dispatch, lora
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref
+
+
+def _fake_compiler(path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty kernel cache and no library loaded yet in this process; the real one is reloaded afterwards."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LOOM_FORCE_TRITON", raising=False)
+    cpu_ext.build.cache_clear()
+    yield tmp_path
+    cpu_ext.build.cache_clear()
+
+
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_failed_build_runs_the_references(compiler, fresh_build, monkeypatch, caplog):
+    from loom.kernels import cpu_pointwise
+    from loom.kernels.activation import silu_and_mul_ref
+    from loom.kernels.norm import fused_add_rms_norm_ref
+
+    cxx = str(fresh_build / "no-such-g++") if compiler == "missing" else \
+        _fake_compiler(fresh_build / "g++", 'echo "fatal error: broken toolchain" >&2; exit 1\n')
+    monkeypatch.setenv("CXX", cxx)
+    with caplog.at_level("WARNING", logger="loom"):
+        assert cpu_ext.load() is None and cpu_ext.load() is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "loom"]
+    assert len(lines) == 1 and "unavailable" in lines[0] and "PyTorch references" in lines[0]  # once, not per call
+    assert "broken toolchain" in lines[0] if compiler == "failing" else "no C++ compiler" in lines[0]
+    assert "unavailable" in cpu_ext.describe()
+    torch.manual_seed(2)
+    kc, vc, bt, sl = kcases.make_paged_cache([37, 90, 5], 16, 3, 64, torch.float32, "cpu")
+    q = torch.randn(3, 9, 64)
+    assert torch.equal(dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.125, sliding_window=20, softcap=3.0),
+                       paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125, sliding_window=20, softcap=3.0))
+    x, w = torch.randn(4, 64), torch.rand(64)
+    assert all(torch.equal(a, b) for a, b in zip(cpu_pointwise.fused_add_rms_norm_cpu(x, x, w, 1e-6),
+                                                   fused_add_rms_norm_ref(x, x, w, 1e-6)))
+    assert torch.equal(dispatch.silu_and_mul(x), silu_and_mul_ref(x))
+    meta, R, _ = kcases.make_lora_meta(6, [1, 4], "cpu")
+    a, b, y = torch.randn(1, R, 64), torch.randn(R, 8), torch.randn(6, 8)
+    buf = dispatch.lora_shrink(x.repeat(2, 1)[:6], a, meta)
+    assert torch.equal(buf, lora.lora_shrink_ref(x.repeat(2, 1)[:6], a, meta))
+    assert torch.equal(dispatch.lora_expand(buf, b, [0, 8], meta, y.clone()),
+                       lora.lora_expand_ref(buf, b, [0, 8], meta, y.clone()))
+    from loom.engine import cpu
+
+    assert not cpu.can_pack(torch.float32, torch.device("cpu"))  # linear layers stay F.linear
+
+
+def test_concurrent_first_builds_compile_once(fresh_build):
+    """Two builders of the same library (two server instances starting together): the second waits for the
+    first's lock, then finds the finished library and compiles nothing; nothing half-written is ever visible."""
+    import threading
+
+    log = fresh_build / "calls"
+    # a compiler that takes a moment and writes its output in two parts (a reader of a partial file would see it)
+    cxx = _fake_compiler(fresh_build / "g++", f'echo run >> {log}\nout=""\nwhile [ $# -gt 0 ]; do '
+                         'if [ "$1" = "-o" ]; then out="$2"; fi; shift; done\n'
+                         'printf part > "$out"; sleep 0.3; printf done >> "$out"\n')
+    target = cpu_ext.cache_dir() / "lib.so"
+    errors = []
+
+    def build():
+        try:
+            cpu_ext._compile(cxx, ["-O3"], target)
+            assert target.read_text() == "partdone"
+        except Exception as e:  # reported below: an assertion in a thread would be lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert log.read_text().split() == ["run"]
+    assert sorted(p.name for p in target.parent.iterdir()) == [".lib.so.lock", "lib.so"]  # no temporary left

@@ -1,0 +1,219 @@
+"""The C++ CPU kernels (kernels/cpu_ext.py) against float64 naive loops and the PyTorch references: paged
+attention reading the cache in place (decode, prefill over cached prefixes, sliding window, softcap) and
+multi-LoRA over adapter rows in place, the GEMM over packed weights, the pointwise kernels."""
+import pytest
+import torch
+
+import harness.kernel_cases as kcases
+from loom.kernels import cpu_ext, dispatch, lora
+from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
+
+
+@pytest.fixture(scope="module", autouse=True, params=["native", "no-avx2"])
+def ext(request):
+    """Every test twice: the build for this CPU (AVX2/FMA intrinsics here) and the plain-loop build a CPU
+    without AVX2 gets (cached on disk like the other)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "no-avx2":
+            mp.setattr(cpu_ext, "native_isa", lambda: ())
+        m = cpu_ext.load()
+        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
+        yield m
+
+
+def naive(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
+    """float64, one query and one head at a time, keys p - window < k <= p."""
+    q, kc, vc = q.double(), kc.double(), vc.double()
+    bs, kvh = kc.shape[1], kc.shape[2]
+    group = q.shape[1] // kvh
+    out = torch.zeros_like(q)
+    for s in range(len(seq_lens)):
+        q_len, n = int(cu[s + 1] - cu[s]), int(seq_lens[s])
+        for i in range(q_len):
+            t, pos = int(cu[s]) + i, n - q_len + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            for h in range(q.shape[1]):
+                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(lo, pos + 1)])
+                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(lo, pos + 1)])
+                sc = keys @ q[t, h] * scale
+                if softcap is not None:
+                    sc = softcap * torch.tanh(sc / softcap)
+                out[t, h] = torch.softmax(sc, 0) @ vals
+    return out
+
+
+def forget_before_window(kc, vc, bt, seq_lens, window, block_size):
+    """Blocks wholly before every query's window may hold anything: make them NaN."""
+    for s, n in enumerate(seq_lens.tolist()):
+        first_needed = max(0, n - window) if window else 0  # decode: the query sits at n - 1
+        for b in range(first_needed // block_size):
+            kc[bt[s, b]] = float("nan")
+            vc[bt[s, b]] = float("nan")
+
+
+OPTIONS = [(None, None), (5, None), (None, 2.0), (20, 1.5)]
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_vs_naive(window, softcap, group):
+    torch.manual_seed(group)
+    lens = [3, 16, 0, 41, 1, 70]
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 2, 32, torch.float32, "cpu")
+    forget_before_window(kc, vc, bt, sl, window, 16)
+    q = torch.randn(len(lens), 2 * group, 32)
+    out = kcases.poison(*q.shape, dtype=torch.float32, device="cpu")
+    paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.2, out=out, sliding_window=window, softcap=softcap)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # empty context -> zeros
+    keep = [i for i, n in enumerate(lens) if n]
+    cu = torch.arange(len(keep) + 1, dtype=torch.int32)
+    want = naive(q[keep], kc, vc, cu, sl[keep], bt[keep], 0.2, window, softcap)
+    assert kcases.rel_err(out[keep], want) < 1e-6
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_vs_naive(window, softcap, group):
+    # whole prompts, extends over cached prefixes, single-token rows, a query tile boundary (16) crossed
+    torch.manual_seed(10 + group)
+    lens = [(1, 5), (6, 6), (4, 21), (1, 1), (19, 30), (35, 35)]
+    q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(lens, 2 * group, 2, 32, 8, torch.float32, "cpu")
+    out = kcases.poison(*q.shape, dtype=torch.float32, device="cpu")
+    paged_prefill_attention_cpu(q, kc, vc, cu, sl, bt, max_q, 0.3, out=out, sliding_window=window, softcap=softcap)
+    assert kcases.rel_err(out, naive(q, kc, vc, cu, sl, bt, 0.3, window, softcap)) < 1e-6
+
+
+def test_same_as_references_on_a_model_sized_batch():
+    """SmolLM2's shapes (9 heads over 3, D 64, blocks of 16): the in-place kernels against the gathering
+    references, decode and a mixed prefill batch, out= into strided views as the attention layer passes them."""
+    torch.manual_seed(0)
+    lens = [int(x) for x in torch.randint(1, 300, (32,))]
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 3, 64, torch.float32, "cpu")
+    q = torch.randn(32, 9, 64)
+    big = torch.full((40, 9, 64), float("nan"))
+    out = paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.125, out=big[4:36])
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125)
+    assert torch.isnan(big[:4]).all() and torch.isnan(big[36:]).all()
+    assert kcases.rel_err(out, ref) < 1e-6
+    pairs = [(min(n, int(torch.randint(1, 40, ()))), n) for n in lens]
+    q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(pairs, 9, 3, 64, 16, torch.float32, "cpu")
+    got = paged_prefill_attention_cpu(q, kc, vc, cu, sl, bt, max_q, 0.125)
+    assert kcases.rel_err(got, paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.125)) < 1e-6
+
+
+def test_store_kv_vs_reference():
+    from loom.kernels.cpu_paged_attention import store_kv_cpu
+    from loom.kernels.kv_store import store_kv_ref
+
+    torch.manual_seed(4)
+    T, kvh, d = 10, 3, 16
+    qkv = torch.randn(T, (2 + 2 * kvh) * d)  # k/v as strided views of a fused output, as the layers pass them
+    k, v = qkv[:, 2 * d:(2 + kvh) * d].view(T, kvh, d), qkv[:, (2 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(4 * 8)[:T]
+    slots[torch.randperm(T)[:3]] = -1
+    caches = [torch.full((4, 8, kvh, d), float("nan")) for _ in range(4)]
+    store_kv_cpu(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
+    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
+
+
+def test_other_dtypes_use_the_reference():
+    torch.manual_seed(1)
+    kc, vc, bt, sl = kcases.make_paged_cache([5, 9], 8, 1, 16, torch.float64, "cpu")
+    q = torch.randn(2, 2, 16, dtype=torch.float64)
+    got = paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.25)
+    assert torch.equal(got, paged_decode_attention_ref(q, kc, vc, bt, sl, 0.25))
+
+
+def test_dispatch_picks_the_in_place_kernels_on_cpu(monkeypatch):
+    # the two differ in the last bits (summation order), which tells which one ran
+    monkeypatch.delenv("LOOM_FORCE_TRITON", raising=False)
+    torch.manual_seed(2)
+    kc, vc, bt, sl = kcases.make_paged_cache([37, 90, 5], 16, 3, 64, torch.float32, "cpu")
+    q = torch.randn(3, 9, 64)
+    cpp = paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.125)
+    ref = paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125)
+    assert not torch.equal(cpp, ref)
+    assert torch.equal(dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.125), cpp)
+    monkeypatch.setenv("LOOM_CPU_KERNELS", "0")
+    assert torch.equal(dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.125), ref)
+
+
+# ---- LoRA -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 4, 10**9])
+def test_lora_cpu_vs_reference(max_tokens, monkeypatch):
+    """Decode-like groups (few tokens) run in C++ reading rank rows in place, the others as GEMMs; every mix
+    equals the reference's group loop."""
+    from loom.kernels import cpu_lora
+
+    monkeypatch.setattr(cpu_lora, "MAX_TOKENS_IN_PLACE", max_tokens)
+    monkeypatch.setattr(lora, "_DENSE_MAX_TOKEN_ROWS", 0)  # the reference's plain group loop
+    torch.manual_seed(0)
+    meta, R, owner = kcases.make_lora_meta(30, [1, 8, 16, 64, 4, 16], "cpu")
+    offs = [0, 24, 32, 40]
+    x, a, b = torch.randn(30, 48), torch.randn(3, R, 48), torch.randn(R, 40)
+    y0 = torch.randn(30, 40)
+    want_buf = lora.lora_shrink_ref(x, a, meta)
+    buf = cpu_lora.lora_shrink_cpu(x, a, meta)
+    mask = kcases.rank_mask(meta, 3)
+    assert kcases.rel_err(buf[mask], want_buf[mask]) < 1e-6
+    want = lora.lora_expand_ref(want_buf, b, offs, meta, y0.clone())
+    got = cpu_lora.lora_expand_cpu(buf, b, offs, meta, y0.clone())
+    assert kcases.rel_err(got, want) < 1e-6
+    untouched = owner == -1  # tokens without an adapter keep y exactly
+    assert torch.equal(got[untouched], y0[untouched])
+
+
+# ---- GEMM over packed weights ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemm_vs_linear(threads):
+    from loom.kernels.cpu_linear import PackedWeight, linear_packed
+
+    torch.manual_seed(3)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k, bias in [(50, 7, True), (24, 64, False), (97, 130, True), (5, 3, False)]:
+            w, b = torch.randn(n, k), torch.randn(n) if bias else None
+            pw = PackedWeight(w, b)
+            for m in (0, 1, 3, 4, 5, 33):  # row tiles of 4 and every remainder
+                wide = torch.randn(m, k + 5)
+                x = wide[:, 2:2 + k]  # rows with a stride larger than K
+                got = pw(x)
+                assert got.shape == (m, n)
+                if m:
+                    assert kcases.rel_err(got, torch.nn.functional.linear(x, w, b)) < 1e-6
+            x3 = torch.randn(2, 3, k)
+            assert torch.equal(linear_packed(x3, pw.panels, pw.bias, n), pw(x3.reshape(6, k)).view(2, 3, n))
+    finally:
+        torch.set_num_threads(prev)
+
+
+# ---- pointwise ------------------------------------------------------------------------------------------
+
+def test_pointwise_vs_references():
+    from loom.kernels import activation, norm, rotary
+    from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+
+    torch.manual_seed(5)
+    x, r, w = torch.randn(7, 96), torch.randn(7, 96), torch.rand(96) + 0.5
+    for res in (None, r):
+        got, want = fused_add_rms_norm_cpu(x, res, w, 1e-6), norm.fused_add_rms_norm_ref(x, res, w, 1e-6)
+        assert torch.equal(got[1], want[1]) and kcases.rel_err(got[0], want[0]) < 1e-6
+    cs = kcases.cos_sin_cache(100, 16, "cpu")
+    pos = torch.randint(0, 100, (9,))
+    qkv = torch.randn(9, 16 * (6 + 2 + 2))  # q and k as strided views of a fused output
+    q, k = qkv[:, :96].view(9, 6, 16), qkv[:, 96:128].view(9, 2, 16)
+    q2, k2, v = q.clone(), k.clone(), qkv[:, 128:].clone()
+    rotary_embedding_cpu(pos, q, k, cs)
+    rotary.rotary_embedding_ref(pos, q2, k2, cs)
+    assert kcases.rel_err(q, q2) < 1e-6 and kcases.rel_err(k, k2) < 1e-6
+    assert torch.equal(qkv[:, 128:], v)  # v untouched (it shares the storage)
+    for t in (torch.randn(5, 2 * 37) * 4, torch.randn(3, 2 * 64 + 8)[:, :128] * 30):
+        assert kcases.rel_err(silu_and_mul_cpu(t), activation.silu_and_mul_ref(t)) < 1e-6
+
