@@ -280,26 +280,36 @@ def measure_overlap(model_dir: str, num_seqs: int, args) -> dict:
         max_tokens = max_new_tokens(num_seqs, args)
         engine = make_engine(model_dir, num_seqs, args, max_tokens, async_scheduling=(mode == "async"))
         dev = FakeDevice(args.device_ms / 1e3)
-        forward = noop_forward(engine)
+        runner = engine.runner
+        table = torch.randn(97, runner.vocab_size, generator=torch.Generator().manual_seed(3))
 
-        def run(batch, lora, extra_rows=None, fill=None, forward=forward, dev=dev):
-            out = forward(batch, lora, extra_rows, fill=fill)
+        # logits a function of (last token, position), so tokens do not depend on a sequence's row in the step
+        def run(batch, lora, extra_rows=None, fill=None, runner=runner, dev=dev, table=table):
+            ids, ctx, sampled = runner.prepare(batch, lora, extra_rows, fill=fill)
+            idx = ctx.logits_indices
             dev.launch()
-            return out
+            return table[(ids[idx] * 7 + ctx.positions[idx] * 3) % 97], sampled
         engine.runner.run = run
         engine._new_event = dev.event
         add_requests(engine, num_seqs, args, max_tokens)
-        prefill(engine)
+        got: dict[str, list[int]] = {}
+
+        def step(engine=engine, got=got):
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
+                                              for s in engine.scheduler.running):
+            step()  # prefill
         for _ in range(args.warmup_steps):
-            engine.step()
-        got = []
+            step()
         t = time.perf_counter()
         for _ in range(args.steps):
-            got.extend((o.request_id, o.new_token_ids[0]) for o in engine.step() if o.new_token_ids)
+            step()
         res[f"{mode}_ms"] = (time.perf_counter() - t) / args.steps * 1e3
-        tokens[mode] = sorted(got)
-    n = min(len(tokens["sync"]), len(tokens["async"]))
-    res["same_tokens"] = tokens["sync"][:n] == tokens["async"][:n] if n else None
+        while engine.has_unfinished_requests():  # drain: compare whole outputs (async is one step behind)
+            step()
+        tokens[mode] = got
+    res["same_tokens"] = tokens["sync"] == tokens["async"]
     return res
 
 
