@@ -12,6 +12,7 @@ import copy
 import gc
 import json
 import logging
+import os
 import threading
 import time
 import traceback
@@ -87,6 +88,32 @@ class _Ctx:
     num_sent_tokens: int = 0
     reasons: dict = field(default_factory=dict)  # completion index -> its finish reason once it ended
     cumulative: dict = field(default_factory=dict)  # completion index -> latest cumulative logprob
+    # the TTFT waterfall (time.monotonic()): request id, arrival in execute(), tokenized, submitted; the rest comes
+    # with the first delta
+    request_id: str = ""
+    t_arrival: float = 0.0
+    t_tokenized: float = 0.0
+    t_submitted: float = 0.0
+    timing_logged: bool = False
+
+
+class _TimingLog:
+    """LOOM_TIMING_LOG=<path>: one JSON line per request when its first token is sent, with the stages of its
+    time to first token (time.monotonic(), comparable across processes of one machine). For the serving
+    benchmark's waterfall; off (and free) unless the variable is set."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, ctx: _Ctx, timing: dict | None, t_sent: float) -> None:
+        rec = {"id": ctx.request_id, "arrival": ctx.t_arrival, "tokenized": ctx.t_tokenized,
+               "submitted": ctx.t_submitted, **(timing or {}), "first_sent": t_sent}
+        with self._lock:
+            self._f.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class TritonPythonModel:
@@ -150,6 +177,12 @@ class TritonPythonModel:
                                         observer=self.metrics, max_failed_steps=cfg.options.max_failed_steps,
                                         on_unhealthy=self._on_unhealthy)
         self.streamer = ResponseStreamer(self._send, cfg.options.sender_threads)
+        path = os.environ.get("LOOM_TIMING_LOG")
+        self.timing_log = _TimingLog(path) if path else None
+        # Everything loaded so far (torch, transformers, the weights' Python objects) lives as long as the model:
+        # keep it out of the garbage collector's full passes, which otherwise stall a step for ~0.5 s now and then.
+        gc.collect()
+        gc.freeze()
         log.info(f"model {args['model_name']} ready: {cfg.engine.model} on {cfg.engine.device}")
 
     # ------------------------------------------------------------ requests
@@ -157,9 +190,10 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = None
+            t_arrival = time.monotonic()
             try:
                 sender = request.get_response_sender()
-                self._enqueue(request, sender)
+                self._enqueue(request, sender, t_arrival)
             except Exception as e:
                 if not isinstance(e, RequestError):
                     log.error("execute failed:\n" + traceback.format_exc())
@@ -167,7 +201,7 @@ class TritonPythonModel:
                                  else f"internal: {type(e).__name__}: {e}", _kind_of(e))
         return None
 
-    def _enqueue(self, request, sender) -> None:
+    def _enqueue(self, request, sender, t_arrival: float = 0.0) -> None:
         params = request.parameters()
         op = parse_adapter_op(params, self.limits.max_parameters_bytes)
         if op is not None:
@@ -191,10 +225,13 @@ class TritonPythonModel:
             prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as loom.engine.llm does
             if not prompt_ids:
                 raise RequestError("text_input", "the prompt encodes to no tokens")
-        ctx = _Ctx(sender, parsed, prompt_ids)
-        self.async_engine.submit(uuid.uuid4().hex, prompt_ids, parsed.params, parsed.lora_name,
-                                 on_output=self.streamer.open(ctx, parsed.stream), is_cancelled=sender.is_cancelled,
-                                 timeout_s=parsed.request_timeout_s)
+        ctx = _Ctx(sender, parsed, prompt_ids, t_arrival=t_arrival, t_tokenized=time.monotonic())
+        if self.timing_log is not None:
+            ctx.request_id = request.request_id()
+        on_output = self.streamer.open(ctx, parsed.stream)
+        ctx.t_submitted = time.monotonic()
+        self.async_engine.submit(uuid.uuid4().hex, prompt_ids, parsed.params, parsed.lora_name, on_output=on_output,
+                                 is_cancelled=sender.is_cancelled, timeout_s=parsed.request_timeout_s)
 
     def _grammars(self):
         """The engine's structured-output compiler, made here with this thread's tokenizer copy."""
@@ -263,6 +300,9 @@ class TritonPythonModel:
             return
         final = any(d.finished for d in ds)
         ctx.sender.send(pb_utils.InferenceResponse(output_tensors=self._tensors(ctx, ds)), flags=FINAL if final else 0)
+        if self.timing_log is not None and not ctx.timing_logged and any(d.token_ids for d in ds):
+            ctx.timing_logged = True
+            self.timing_log.write(ctx, next((d.timing for d in ds if d.timing is not None), None), time.monotonic())
 
     def _tensors(self, ctx: _Ctx, ds: list[RequestDelta]) -> list:
         """vllm_backend's outputs: one element per completion (n), each the completion's delta since the last
@@ -361,6 +401,8 @@ class TritonPythonModel:
             self.streamer.close(timeout=max(0.1, deadline - time.monotonic()))
         if getattr(self, "metrics", None) is not None:
             self.metrics.close(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        if getattr(self, "timing_log", None) is not None:
+            self.timing_log.close()
         self._release_engine(ae)
 
     def _release_engine(self, ae) -> None:
@@ -377,6 +419,7 @@ class TritonPythonModel:
         self.engine = self.async_engine = self.streamer = self.metrics = None
         if not loop_alive:
             del engine, adapters, ae
+            gc.unfreeze()  # initialize() froze what was loaded; the engine's cycles must be collectable now
             gc.collect()
             try:
                 import torch

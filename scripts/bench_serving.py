@@ -57,7 +57,9 @@ AIPERF_VENV = bc.REPO_ROOT / ".cache" / "aiperf-venv"
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", default="sweep", choices=("sweep", "rate", "lora", "aiperf", "all"))
+    ap.add_argument("--mode", default="sweep", choices=("sweep", "rate", "lora", "aiperf", "waterfall", "all"))
+    ap.add_argument("--waterfall-concurrency", type=int, nargs="+", default=[1, 4, 16],
+                    help="waterfall mode: concurrency levels")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="sweep levels")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="rate mode: requests/s")
     ap.add_argument("--max-concurrency", type=int, default=0, help="rate mode: cap on requests in flight (0 = none)")
@@ -71,6 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before each system's runs")
     ap.add_argument("--url", default=None, help="gRPC address of a running server (default: start one)")
+    ap.add_argument("--timing-log", default=None,
+                    help="waterfall mode with --url: the LOOM_TIMING_LOG file that server writes")
     ap.add_argument("--http-url", default=None, help="HTTP address of that server (aiperf mode)")
     ap.add_argument("--model", default=MODEL_NAME, help="Triton model name")
     ap.add_argument("--model-repository", default=str(bc.REPO_ROOT / "model_repository"),
@@ -130,6 +134,11 @@ class Result:
     chunks: list = field(default_factory=list)  # (time, tokens in the chunk)
     t_end: float = 0.0
     error: str | None = None
+    # TTFT waterfall (time.monotonic(), comparable with the server's): send, first token received, and the
+    # server's (or the in-process engine's) stage timestamps
+    t_send_mono: float = 0.0
+    t_first_mono: float = 0.0
+    stages: dict | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -232,6 +241,8 @@ def run_triton(url: str, model: str, reqs: list[Req], concurrency: int | None, r
                 except Exception:
                     k = 1
                 if k:
+                    if not r.chunks:
+                        r.t_first_mono = time.monotonic()
                     r.chunks.append((now, k))
             p = resp.parameters.get("triton_final_response")
             final = p is not None and p.bool_param
@@ -270,8 +281,10 @@ def run_triton(url: str, model: str, reqs: list[Req], concurrency: int | None, r
             r = results[i]
             slot.current = r
             r.t_send = time.perf_counter()
+            r.t_send_mono = time.monotonic()
             try:
-                slot.client.async_stream_infer(model, _inputs(req), request_id=str(i), enable_empty_final_response=True)
+                slot.client.async_stream_infer(model, _inputs(req), request_id=f"{label}/{i}",
+                                               enable_empty_final_response=True)
             except Exception as e:
                 r.error, r.t_end, slot.current = f"send failed: {e}", time.perf_counter(), None
                 free.put(slot)
@@ -322,6 +335,7 @@ class OfflineRunner:
                 params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
                 r = results[nxt]
                 r.t_send = time.perf_counter()
+                r.t_send_mono = time.monotonic()
                 try:
                     eng.add_request(rid, ids, params, req.lora)
                     live[rid] = (r, IncrementalDetokenizer(self.tok, ids, params))
@@ -341,6 +355,9 @@ class OfflineRunner:
                     continue
                 r, detok = entry
                 if so.new_token_ids:
+                    if so.timing is not None:  # its first token: the engine's stages (waterfall)
+                        r.t_first_mono = time.monotonic()
+                        r.stages = {"first_scheduled": so.timing[0], "first_token": so.timing[1]}
                     detok.step(so.new_token_ids, so.finished)
                     r.chunks.append((now, len(so.new_token_ids)))
                 if so.finished:
@@ -529,6 +546,99 @@ def aiperf_metric(export: dict, name: str, stat: str):
     return None
 
 
+# ---- TTFT waterfall --------------------------------------------------------------------------------
+
+# (stage, from, to): timestamps of a request, time.monotonic() in the client and the server (one machine)
+TRITON_STAGES = [("client -> execute()", "send", "arrival"), ("tokenize", "arrival", "tokenized"),
+                 ("submit", "tokenized", "submitted"), ("queue -> scheduled", "submitted", "first_scheduled"),
+                 ("scheduled -> token", "first_scheduled", "first_token"), ("detokenize", "first_token", "emitted"),
+                 ("emitted -> sent", "emitted", "first_sent"), ("sent -> client", "first_sent", "received")]
+OFFLINE_STAGES = [("queue -> scheduled", "send", "first_scheduled"),
+                  ("scheduled -> token", "first_scheduled", "first_token"),
+                  ("token -> caller", "first_token", "received")]
+
+
+def timing_log_path(args, work: Path) -> Path:
+    return Path(args.timing_log) if args.timing_log else work / "timing.jsonl"
+
+
+def read_timing_log(path: Path) -> dict[str, dict]:
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                out[rec.get("id", "")] = rec
+    return out
+
+
+def request_stages(r: Result, stages: list) -> dict[str, float] | None:
+    """Milliseconds per stage of one request's time to first token (None if a timestamp is missing)."""
+    if r.error is not None or not r.chunks or r.stages is None:
+        return None
+    t = {**r.stages, "send": r.t_send_mono, "received": r.t_first_mono}
+    if any(t.get(a) is None or t.get(b) is None for _, a, b in stages):
+        return None
+    out = {name: (t[b] - t[a]) * 1e3 for name, a, b in stages}
+    out["TTFT"] = (r.t_first_mono - r.t_send_mono) * 1e3
+    return out
+
+
+def waterfall_rows(results: list[Result], stages: list) -> dict[str, float]:
+    per = [x for x in (request_stages(r, stages) for r in results) if x is not None]
+    if not per:
+        return {}
+    return {k: bc.percentile([p[k] for p in per], 50) for k in per[0]} | {"n": len(per)}
+
+
+def run_waterfall(args, tok, url: str, offline, warm, work: Path, data: dict) -> str:
+    """At each concurrency: the same requests through Triton and in-process; p50 of each stage of TTFT."""
+    log_path = timing_log_path(args, work)
+    cols, entries = [], {}
+    for c in args.waterfall_concurrency:
+        n = args.num_requests or max(16, 4 * c)
+        reqs = make_workload(tok, n, args.input_len, args.input_len_range, args.output_len, args.output_len_range,
+                             args.seed + 4000 + c)
+        if not entries:
+            warm(reqs)
+        label = f"wf{c}"
+        bc.progress(f"  waterfall c={c}: triton ({n} requests)")
+        tri = run_triton(url, args.model, reqs, c, None, args.seed, args.request_timeout, label)
+        server = read_timing_log(log_path)
+        for i, r in enumerate(tri):
+            r.stages = server.get(f"{label}/{i}")
+        e = {"triton": waterfall_rows(tri, TRITON_STAGES), "triton_run": summarize_run(tri, reqs)}
+        if offline is not None:
+            bc.progress(f"  waterfall c={c}: in-process ({n} requests)")
+            off = offline.run(reqs, c, None, args.seed, label)
+            e["offline"] = waterfall_rows(off, OFFLINE_STAGES)
+            e["offline_run"] = summarize_run(off, reqs)
+        entries[c] = e
+        cols.append(c)
+    data["runs"]["waterfall"] = entries
+    names = [s[0] for s in TRITON_STAGES] + ["TTFT"]
+    headers = ["stage (p50 ms)"] + [f"c={c} {sys_}" for c in cols for sys_ in ("triton", "in-proc")]
+    rows = []
+    for name in names:
+        row = [name]
+        for c in cols:
+            row += [entries[c]["triton"].get(name, float("nan")),
+                    entries[c].get("offline", {}).get(name, float("nan"))]
+        rows.append(row)
+    summary = []
+    for c in cols:
+        t, o = entries[c]["triton_run"], entries[c].get("offline_run")
+        line = f"c={c}: TTFT p50 triton {t['ttft_s']['p50'] * 1e3:.1f} ms"
+        if o is not None:
+            added = (t["ttft_s"]["p50"] - o["ttft_s"]["p50"]) * 1e3
+            line += (f", in-process {o['ttft_s']['p50'] * 1e3:.1f} ms (added {added:+.1f} ms); output tok/s "
+                     f"triton / in-process {bc.ratio(t['output_tok_s'], o['output_tok_s']):.2f}")
+        summary.append(line)
+    return (f"TTFT waterfall (p50 per stage, ms; in-process stages: queue -> scheduled from add_request), "
+            f"prompt ~{args.input_len} tokens, output ~{args.output_len}\n" + bc.table(headers, rows, 1) + "\n"
+            + "\n".join(summary))
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -567,7 +677,8 @@ def main(argv=None) -> int:
 
             bc.progress("starting tritonserver (tritonserver_local.py)")
             server = LocalTritonServer()
-            server.start(repo, timeout=600)
+            env = {**os.environ, "LOOM_TIMING_LOG": str(timing_log_path(args, work))} if "waterfall" in modes else None
+            server.start(repo, timeout=600, env=env)
             url, http_url = server.grpc_url, server.http_url
             bc.progress(f"server ready: gRPC {url}, HTTP {http_url}")
         if not args.no_offline and args.mode != "aiperf":
@@ -669,6 +780,8 @@ def main(argv=None) -> int:
             report.append(table_for(f"multi-LoRA at concurrency {c}, {n} requests, rank {args.adapter_rank} q/v adapters "
                                     f"(loading all {len(adapter_names)} took {load_s:.1f}s, untimed), {lens}",
                                     entries, base_key="no adapter"))
+        if "waterfall" in modes:
+            report.append(run_waterfall(args, tok, url, offline, warm, work, data))
         if "aiperf" in modes:
             if http_url is None:
                 raise RuntimeError("aiperf mode needs the server's HTTP address (--http-url)")

@@ -39,6 +39,9 @@ class EngineConfig:
     # Bounds on requests
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
     seed: int = 0
+    # Schedule and launch step N+1 while step N runs on the device (its outputs come one step later; tokens are
+    # the same). Pays off where the forward is asynchronous (CUDA); on CPU the forward is synchronous.
+    async_scheduling: bool = False
     # CPU
     cpu_threads: int = 0  # compute threads; 0 = torch's count, capped at the cores this process may use
     cpu_compile: bool = False  # torch.compile the forward at start (minutes; faster steps)
@@ -63,6 +66,7 @@ class EngineConfig:
         check(isinstance(self.lora_memory_bytes, int) and self.lora_memory_bytes >= 0, "lora_memory_bytes", "must be an integer >= 0")
         check(isinstance(self.lora_expert_memory_bytes, int) and self.lora_expert_memory_bytes >= 0,
               "lora_expert_memory_bytes", "must be an integer >= 0 (0 = no LoRA on MoE experts)")
+        check(isinstance(self.async_scheduling, bool), "async_scheduling", "must be true or false")
         check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
         check(isinstance(self.cpu_threads, int) and 0 <= self.cpu_threads <= 1024, "cpu_threads",
               f"must be in [0, 1024] (0 = automatic), got {self.cpu_threads!r}")

@@ -156,8 +156,9 @@ class DecodeGraphs:
         buf.commit()
 
     # ---- one step ----------------------------------------------------------------------------------
-    def run(self, batch, lora: LoraBatchMeta | None) -> tuple[torch.Tensor, list[int]] | None:
-        """Serve a decode-only step from its bucket's graph; None when the step is not one for this path."""
+    def run(self, batch, lora: LoraBatchMeta | None, fill=None) -> tuple[torch.Tensor, list[int]] | None:
+        """Serve a decode-only step from its bucket's graph; None when the step is not one for this path.
+        fill: ModelRunner's TokenFill (async scheduling), written into the static input ids before the replay."""
         n = len(batch.seqs)
         if n == 0 or batch.num_decode_seqs != n or (lora is not None and lora.experts is not None):
             return None
@@ -172,10 +173,11 @@ class DecodeGraphs:
             else:
                 log.info("capturing the CUDA graph of batch %d with LoRA on %s", b, sorted(key))
         r = self.runner
-        _, _, sampled = r.prepare(batch, lora, pad_to=b)
+        _, _, sampled = r.prepare(batch, lora, pad_to=b, fill=fill)
         if key is not None:
             self._stage_lora(b, lora)
         r.buffers.commit()
+        r.fill_ids(r.buffers.device_view("input_ids", b), fill)
         if key is not None:
             r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
                                                                                     non_blocking=True)

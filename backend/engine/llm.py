@@ -24,7 +24,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # with logprobs (or params.cumulative_logprob); else None, as vLLM
     num_cached_tokens: int = 0
     error: str | None = None
     # what the latest streaming update added

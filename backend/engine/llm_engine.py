@@ -13,17 +13,22 @@ import json
 import logging
 import os
 import random
+import time
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from loom.engine.block_manager import BlockManager
 from loom.engine.config import EngineConfig
+from loom.engine.cpu import tune_mkl_for_amd
 from loom.engine.faults import is_sticky_device_error
 from loom.engine.logits_processors import build_constraints
-from loom.engine.model_runner import ModelRunner
+from loom.engine.model_runner import ModelRunner, TokenFill
 from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
 from loom.engine.sampler import Sampler, SamplingBatch
 from loom.engine.sampling_params import MAX_N, SamplingParams
+from loom.engine.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
 from loom.errors import RequestError
@@ -31,11 +36,33 @@ from loom.lora.adapter_registry import AdapterRegistry
 
 log = logging.getLogger("loom")
 
+PLACEHOLDER = -1  # the id of a token a step in flight is still sampling (async scheduling; the device fills it in)
+
+
 def seq_key(request_id: str, index: int) -> str:
     """Key of a sequence in LLMEngine.requests: the request id for completion 0 (so n = 1 is just the id)."""
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step whose device work is queued: what waiting for it and making its outputs need."""
+    batch: ScheduledBatch
+    deferred_register: bool  # its computed range held placeholders: prefix-cache registration waits for them
+    seqs: list = field(default_factory=list)  # the sampled sequences, in the logits' order
+    tokens: torch.Tensor | None = None  # [S] sampled ids on the device (the next step's inputs, async)
+    host: torch.Tensor | None = None  # the one host copy: tokens (int64), or tokens + logprobs (float64)
+    event: object = None  # the end of its device work (CUDA), None where it is done already
+    positions: list = field(default_factory=list)  # index of each sequence's new token in its token_ids
+    lp_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows with logprobs computed
+    k: int = 0  # top logprobs per row in `host`
+    nout: np.ndarray | None = None  # output count with this token
+    max_out: np.ndarray | None = None  # output count that ends it by length
+    min_tokens: np.ndarray | None = None
+    ignore_eos: np.ndarray | None = None
+    stop_ids: dict = field(default_factory=dict)  # row -> its stop_token_ids
+    processors: object = None  # ProcessorBatch (grammar matchers accept the tokens)
+    needs_host_tokens: bool = False  # grammar / bad_words rows: the next step samples after this one is done
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -52,6 +79,7 @@ def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True):
+        tune_mkl_for_amd()  # before the first matmul (a Triton server does not run the benchmarks' harness)
         self.config = config
         model_dir = config.model
         if not model_dir:
@@ -67,12 +95,21 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
+        self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device, self.runner.dtype)
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)
         self.sampler = Sampler()
+        # Per-request sampling state kept across steps; None = the simple path (SamplingBatch.build from the
+        # sequences' lists every step; kept as the reference the tests compare with, synchronous only).
+        self.sampling_state: SamplingState | None = SamplingState(self.runner.vocab_size, self.runner.device,
+                                                                  self.runner.buffers)
+        self.async_scheduling = bool(getattr(config, "async_scheduling", False))
+        self._inflight: _Launched | None = None  # async scheduling: the step still running on the device
+        self._num_adapter_seqs = 0  # unfinished sequences with an adapter (0: no step builds LoRA metadata)
+        self._num_plp_seqs = 0  # unfinished sequences asking for prompt logprobs
         # loom.engine.structured_output.GrammarCompiler, made at the first structured request (the serving layer
         # sets it itself, made with its own tokenizer copy, and compiles in its own thread)
         self.grammar_compiler = None
@@ -85,7 +122,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.last_step_request_ids: list[str] = []  # the serving layer fails these if step() itself raises
+        self._last_batch: list[Sequence] = []
         self.failed_steps_in_a_row = 0
         self.fatal_error: str | None = None  # set by a sticky device error: the engine cannot serve any more
 
@@ -168,6 +205,10 @@ class LLMEngine:
         for i, seq in seqs.items():
             self.requests[seq_key(request_id, i)] = seq
         self._alive[request_id] = params.n
+        if refs:
+            self._num_adapter_seqs += params.n
+        if params.prompt_logprobs is not None:
+            self._num_plp_seqs += 1  # only the first completion computes them
         self.prompt_tokens += n
         self.scheduler.add(seqs[0])
         if params.n > 1:
@@ -187,11 +228,36 @@ class LLMEngine:
             self._finish(seq, reason)
             self._finished_outputs.append(self._output(seq, [], None, error=error))
 
+    @property
+    def last_step_request_ids(self) -> list[str]:
+        """The requests scheduled in the latest step (the serving layer fails these if step() itself raises)."""
+        return [s.request_id for s in self._last_batch]
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._finished_outputs)
+        return bool(self.requests) or bool(self._finished_outputs) or self._inflight is not None
+
+    def use_simple_sampling(self) -> None:
+        """Rebuild the sampling tensors from the sequences' lists every step (the reference path; synchronous)."""
+        if self.requests or self._inflight is not None:
+            raise RuntimeError("switch the sampling path before adding requests")
+        self.sampling_state = None
+        self.async_scheduling = False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is (running, waiting, not forked yet) and release what it holds."""
+        self._release(seq)
+        self.scheduler.finish(seq, reason)
+
+    def _finish_many(self, ending: list[tuple[Sequence, str]]) -> None:
+        """_finish for the sequences that ended in one step, with one pass over the scheduler's queues."""
+        for seq, _ in ending:
+            self._release(seq)
+        self.scheduler.finish_many(ending)
+
+    def _release(self, seq: Sequence) -> None:
+        """The engine's side of finishing: request maps, unforked siblings, sampling row, adapter."""
+        if self.sampling_state is not None:
+            self.sampling_state.release(seq)
         key = seq_key(seq.request_id, seq.index)
         if self.requests.get(key) is seq:
             del self.requests[key]
@@ -208,106 +274,298 @@ class LLMEngine:
                 pending.clear()
             if not pending:
                 del self._unforked[seq.request_id]
-        self.scheduler.finish(seq, reason)
+        if seq.index == 0 and seq.params.prompt_logprobs is not None:
+            self._num_plp_seqs -= 1
         if seq.adapter is not None:
+            self._num_adapter_seqs -= 1
             self.adapters.deactivate(seq.adapter)
             self.adapters.release(seq.adapter)
 
     def _output(self, seq: Sequence, new_ids: list[int], logprobs, error: str | None = None,
                 prompt_logprobs: list | None = None) -> StepOutput:
         return StepOutput(seq.request_id, new_ids, logprobs, seq.status == SequenceStatus.FINISHED, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens, seq.cumulative_logprob, error, seq.index,
-                          prompt_logprobs)
+                          seq.num_prompt_tokens, seq.num_cached_tokens,
+                          seq.cumulative_logprob if seq.wants_logprob else None, error, seq.index, prompt_logprobs)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        self.last_step_request_ids = []
+        """One engine step. Synchronous: schedule, launch, wait, outputs of this step. With async scheduling:
+        schedule and launch step N+1 while step N still runs on the device, then wait for N and return its
+        outputs (one step behind; a step whose sequences need their previous token on the host before sampling,
+        i.e. grammar or bad_words, is waited for first)."""
+        self._last_batch = []
+        prev = self._inflight
+        outputs: list[StepOutput] = []
+        if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
+            self._inflight = None
+            outputs += self._finish_launched(prev)
+            prev = None
         batch = self.scheduler.schedule()
-        self.last_step_request_ids = [s.request_id for s in batch.seqs]
+        self._last_batch = batch.seqs
         failed, self._adapter_failed = self._adapter_failed, []
         for seq in failed:
             self.abort_request(seq.request_id, reason="error", error=f"lora_name: {seq.adapter.error}")
-        outputs, self._finished_outputs = self._finished_outputs, []
-        if not batch.seqs:
-            if self.adapters.has_pending_loads():
-                self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
-            return outputs
-        try:
-            outputs += self._run(batch)
-            self.failed_steps_in_a_row = 0
-        except Exception as e:  # fail only this step's requests; the engine keeps serving
-            log.exception("engine step failed")
-            msg = f"engine step failed: {type(e).__name__}: {e}"
-            self.failed_steps_in_a_row += 1
-            if self.fatal_error is None and is_sticky_device_error(e):
-                self.fatal_error = f"sticky device error: {type(e).__name__}: {e}"
-            for seq in batch.seqs:
-                if seq.request_id in self._alive:
-                    self.abort_request(seq.request_id, reason="error", error=msg)
-            outputs += self._finished_outputs
-            self._finished_outputs = []
+        launched = None
+        if batch.seqs:
+            try:
+                launched = self._launch(batch)
+            except Exception as e:  # fail only this step's requests; the engine keeps serving
+                self._step_failed(batch.seqs, e)
+        self._inflight = None
+        if prev is not None:
+            outputs += self._finish_launched(prev)
+        if launched is not None:
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                outputs += self._finish_launched(launched)
+        elif prev is None and not batch.seqs and self.adapters.has_pending_loads():
+            self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
+        outputs += self._finished_outputs
+        self._finished_outputs = []
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[StepOutput]:
-        lora = None
-        if any(s.adapter is not None for s in batch.seqs):
-            lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
-        plp_rows, plp_targets = self._prompt_logprob_rows(batch)
-        if plp_rows:
-            logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows])
-        else:
-            logits, sampled_idx = self.runner.run(batch, lora)
+    def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:
+        log.error("engine step failed", exc_info=e)
+        msg = f"engine step failed: {type(e).__name__}: {e}"
+        self.failed_steps_in_a_row += 1
+        if self.fatal_error is None and is_sticky_device_error(e):
+            self.fatal_error = f"sticky device error: {type(e).__name__}: {e}"
+        for seq in seqs:
+            if seq.request_id in self._alive:
+                self.abort_request(seq.request_id, reason="error", error=msg)
+
+    def _finish_launched(self, launched: "_Launched") -> list[StepOutput]:
+        try:
+            out = self._finish_step(launched)
+            self.failed_steps_in_a_row = 0
+            return out
+        except Exception as e:
+            self._step_failed(launched.batch.seqs, e)
+            return []
+
+    def _token_fill(self, batch: ScheduledBatch) -> TokenFill | None:
+        """Async scheduling: where this step's input ids are tokens the step in flight is still sampling
+        (flat input positions, and those tokens on the device)."""
+        prev = self._inflight
+        if prev is None:
+            return None
+        pos, src = [], []
+        off = 0
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
+            pend = seq.pending
+            if pend is not None and pend[0] is prev:
+                p = pend[2] - seq.num_computed_tokens
+                if 0 <= p < n:
+                    pos.append(off + p)
+                    src.append(pend[1])
+            off += n
+        if not pos:
+            return None
+        return np.asarray(pos, np.int64), np.asarray(src, np.int64), prev.tokens
+
+    def _launch(self, batch: ScheduledBatch) -> "_Launched":
+        """Queue the step's device work (forward, sampling, the copy of its results to the host); no sync."""
+        lora = None
+        if self._num_adapter_seqs and any(s.adapter is not None for s in batch.seqs):
+            lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
+        plp_rows, plp_targets = self._prompt_logprob_rows(batch) if self._num_plp_seqs else ([], [])
+        fill = self._token_fill(batch)
+        extra = {"fill": fill} if fill is not None else {}
+        if plp_rows:
+            logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows], **extra)
+        else:
+            logits, sampled_idx = self.runner.run(batch, lora, **extra)
+        deferred = self._inflight is not None  # placeholders in the computed range: register blocks later
+        if deferred:
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+                seq.num_computed_tokens += n
+        else:
+            bm = self.block_manager
+            bs = bm.block_size
+            for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+                c = seq.num_computed_tokens = seq.num_computed_tokens + n
+                if c >= (seq.num_hashed_blocks + 1) * bs:  # a block filled up
+                    bm.register_full_blocks(seq)
         if plp_rows:
             self._add_prompt_logprobs(logits[len(sampled_idx):], plp_rows, plp_targets)
             logits = logits[:len(sampled_idx)]
+        launched = _Launched(batch, deferred)
         if not sampled_idx:
-            return []
-        seqs = [batch.seqs[i] for i in sampled_idx]
-        rows = list(range(len(seqs)))
-        for i, seq in enumerate(list(seqs)):
+            return launched
+        seqs = list(batch.seqs) if len(sampled_idx) == len(batch.seqs) else [batch.seqs[i] for i in sampled_idx]
+        forked = False
+        for i, seq in enumerate(list(seqs) if self._unforked else ()):
             if seq.index == 0 and seq.num_output_tokens == 0 and seq.request_id in self._unforked:
-                for child in self._fork(seq):  # they sample their first token from the parent's logits
-                    seqs.append(child)
-                    rows.append(i)
-        if len(rows) > len(sampled_idx):
+                children = self._fork(seq)  # they sample their first token from the parent's logits
+                if children:
+                    if not forked:
+                        rows = list(range(len(seqs)))
+                        forked = True
+                    seqs += children
+                    rows += [i] * len(children)
+        if forked:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        sb = SamplingBatch.build(
-            [s.params for s in seqs], [s.seed for s in seqs], [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [self._stop_ids(s) for s in seqs], self.runner.vocab_size, logits.device,
-            constraints=[s.constraints for s in seqs], matchers=[s.matcher for s in seqs])
-        out = self.sampler(logits, sb)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist()
-        top_ids = out.topk_ids.tolist() if out.topk_ids is not None else None
-        top_lps = out.topk_logprobs.tolist() if out.topk_logprobs is not None else None
-        refused = set(sb.processors.accept(tokens)) if sb.processors is not None else set()
+        S = len(seqs)
+        state = self.sampling_state
+        if state is not None:
+            rows_np = np.fromiter((s.sampling_row for s in seqs), dtype=np.int64, count=S)
+            for i in np.nonzero(rows_np < 0)[0].tolist():
+                rows_np[i] = state.join(seqs[i], self.eos_token_ids)
+            sb, step_rows = state.batch(seqs, rows_np)
+            out = self.sampler(logits, sb)
+            state.after_sample(step_rows, out.token_ids)
+            flags = step_rows.flags
+            launched.nout = state.steps[rows_np]
+            launched.max_out = state.max_out[rows_np]
+            launched.min_tokens = state.min_tokens[rows_np]
+            launched.ignore_eos = (flags & IGNORE_EOS) != 0
+            stop_rows = np.nonzero(flags & STOP_IDS)[0].tolist()
+            launched.stop_ids = {i: state.stop_token_ids[rows_np[i]] for i in stop_rows}
+            lp_pos = np.nonzero(flags & LOGPROBS)[0]
+            launched.needs_host_tokens = bool(np.bitwise_or.reduce(flags) & HOST_TOKENS)
+        else:  # the simple path: everything rebuilt from the sequences' lists
+            sb = SamplingBatch.build(
+                [s.params for s in seqs], [s.seed for s in seqs], [s.prompt_token_ids for s in seqs],
+                [s.output_token_ids for s in seqs], [self._stop_ids(s) for s in seqs], self.runner.vocab_size,
+                logits.device, constraints=[s.constraints for s in seqs], matchers=[s.matcher for s in seqs],
+                want_logprobs=[s.wants_logprob for s in seqs])
+            out = self.sampler(logits, sb)
+            ps = [s.params for s in seqs]
+            launched.nout = np.asarray([s.num_output_tokens + 1 for s in seqs], dtype=np.int64)
+            launched.max_out = np.asarray([min(p.max_tokens, s.max_total_tokens - s.num_prompt_tokens)
+                                           for p, s in zip(ps, seqs)], dtype=np.int64)
+            launched.min_tokens = np.asarray([p.min_tokens for p in ps], dtype=np.int64)
+            launched.ignore_eos = np.asarray([p.ignore_eos for p in ps], dtype=bool)
+            launched.stop_ids = {i: frozenset(p.stop_token_ids) for i, p in enumerate(ps) if p.stop_token_ids}
+            lp_pos = np.asarray([i for i, s in enumerate(seqs) if s.wants_logprob], dtype=np.int64)
+            launched.needs_host_tokens = any(s.matcher is not None or (s.constraints is not None and
+                                                                        s.constraints.bad_words) for s in seqs)
+        # everything the host needs from the step in one device-to-host copy
+        tok = out.token_ids
+        if out.logprobs is None:
+            launched.host = self.runner.buffers.download(tok)
+        else:
+            parts = [tok.double(), out.logprobs.double()]
+            if out.topk_ids is not None:
+                parts += [out.topk_ids.double().flatten(), out.topk_logprobs.double().flatten()]
+                launched.k = out.topk_ids.shape[1]
+            launched.host = self.runner.buffers.download(torch.cat(parts))
+        launched.event = self._new_event()
+        launched.seqs, launched.tokens, launched.lp_pos = seqs, tok, lp_pos
+        launched.processors = sb.processors
+        if self.async_scheduling:  # a placeholder until the token reaches the host; the next step reads it
+            positions = []
+            for i, seq in enumerate(seqs):
+                tl = seq.token_ids
+                tl.append(PLACEHOLDER)
+                p = len(tl) - 1
+                positions.append(p)
+                seq.pending = (launched, i, p)
+            launched.positions = positions
+            ending = np.nonzero(launched.nout >= launched.max_out)[0]
+            if len(ending):  # they end with this token: keep them out of the next step
+                gone = {id(seqs[i]) for i in ending.tolist()}
+                self.scheduler.running[:] = [s for s in self.scheduler.running if id(s) not in gone]
+        return launched
+
+    def _new_event(self):
+        """Marks the end of a step's device work (None on CPU, where the work is done when launch returns)."""
+        if self.runner.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def _finish_step(self, launched: "_Launched") -> list[StepOutput]:
+        """Wait for a launched step, put its tokens in place, check stops, make the outputs."""
+        if launched.deferred_register:
+            bm = self.block_manager
+            bs = bm.block_size
+            for seq in launched.batch.seqs:
+                if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:
+                    bm.register_full_blocks(seq)
+        seqs = launched.seqs
+        if not seqs:
+            return []
+        if launched.event is not None:
+            launched.event.synchronize()
+        S = len(seqs)
+        host = launched.host.numpy()
+        toks = host[:S].astype(np.int64) if host.dtype != np.int64 else host
+        # token-level stops, vectorised: eos / stop_token_ids once min_tokens is reached, then length
+        nout = launched.nout
+        if len(self._eos_array) == 1:
+            hit = (toks == self._eos_array[0]) & ~launched.ignore_eos
+        elif len(self._eos_array):
+            hit = np.isin(toks, self._eos_array) & ~launched.ignore_eos
+        else:
+            hit = np.zeros(S, dtype=bool)
+        for i, ids in launched.stop_ids.items():
+            hit[i] |= int(toks[i]) in ids
+        hit &= nout >= launched.min_tokens
+        done = np.nonzero(hit | (nout >= launched.max_out))[0].tolist()
+        reasons = {i: ("stop" if hit[i] else "length") for i in done}
+        tok_list = toks.tolist()
+        first = np.nonzero(nout == 1)[0].tolist()  # first tokens: timing, prompt logprobs
+        lps = {}
+        L = len(launched.lp_pos)
+        if L:
+            pos = launched.lp_pos.tolist()
+            vals = host[S:S + L].tolist()
+            k = launched.k
+            if k:
+                ids_ = host[S + L:S + L + L * k].astype(np.int64).reshape(L, k).tolist()
+                lps_ = host[S + L + L * k:S + L + 2 * L * k].reshape(L, k).tolist()
+                lps = {p: (v, list(zip(a, b))) for p, v, a, b in zip(pos, vals, ids_, lps_)}
+            else:
+                lps = {p: (v, []) for p, v in zip(pos, vals)}
+        refused = set(launched.processors.accept(tok_list)) if launched.processors is not None else set()
+        first = set(first)
+        special = set(done) | first | set(lps) | refused  # rows that need more than a plain output
+        self.generation_tokens += S
         results = []
+        ending: list[tuple[Sequence, str]] = []
+        finished = SequenceStatus.FINISHED
+        positions = launched.positions if self.async_scheduling else None
+        now = time.monotonic()
         for i, seq in enumerate(seqs):
-            tok = tokens[i]
-            seq.token_ids.append(tok)
-            seq.cumulative_logprob += lps[i]
-            self.generation_tokens += 1
-            lp = None
-            if seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if top_ids is not None else []
-                lp = [TokenLogprob(tok, lps[i], top)]
-            plp = None
-            if seq.num_output_tokens == 1 and seq.index == 0 and seq.prompt_logprobs is not None:
-                plp = seq.prompt_logprobs
-            if i in refused:  # cannot happen while the mask is applied; never let a broken grammar run on
-                self._finish(seq, "error")
-                results.append(self._output(seq, [tok], lp, error="structured_outputs: the grammar refused "
-                                                                  f"token {tok}", prompt_logprobs=plp))
+            tok = tok_list[i]
+            if positions is None:
+                seq.token_ids.append(tok)
+            else:
+                seq.token_ids[positions[i]] = tok
+                pend = seq.pending
+                if pend is not None and pend[0] is launched:
+                    seq.pending = None
+                if seq.status is finished:  # aborted (or it ended) after this step was launched
+                    self.generation_tokens -= 1
+                    continue
+            if i not in special:
+                results.append(StepOutput(seq.request_id, [tok], None, False, None, seq.num_prompt_tokens,
+                                          seq.num_cached_tokens, None, None, seq.index))
                 continue
-            reason = self._check_stop(seq, tok)
+            lp = cum = plp = timing = error = None
+            if i in lps:
+                v, best = lps[i]
+                seq.cumulative_logprob += v
+                cum = seq.cumulative_logprob
+                n = seq.params.logprobs
+                if n is not None:
+                    lp = [TokenLogprob(tok, v, best[:n])]
+            if i in first:  # its first token
+                timing = (seq.first_scheduled_time, now)
+                if seq.index == 0 and seq.prompt_logprobs is not None:
+                    plp = seq.prompt_logprobs
+            reason = reasons.get(i)
+            if i in refused:  # cannot happen while the mask is applied; never let a broken grammar run on
+                reason, error = "error", f"structured_outputs: the grammar refused token {tok}"
             if reason is not None:
-                self._finish(seq, reason)
-            results.append(self._output(seq, [tok], lp, prompt_logprobs=plp))
+                ending.append((seq, reason))
+            results.append(StepOutput(seq.request_id, [tok], lp, reason is not None, reason, seq.num_prompt_tokens,
+                                      seq.num_cached_tokens, cum, error, seq.index, plp, timing))
+        if ending:
+            self._finish_many(ending)
         return results
 
     # ---- n > 1 ---------------------------------------------------------------------------------------
@@ -378,22 +636,13 @@ class LLMEngine:
             ids.extend(self.eos_token_ids)
         return ids
 
-    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
-
     # ---- counters --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         bm = self.block_manager
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
         for seqs, counts in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
-            for s in seqs:
+            for s in seqs if self._num_adapter_seqs else ():  # O(1) without adapters (read every step)
                 if s.adapter is not None:
                     counts[s.adapter.name] = counts.get(s.adapter.name, 0) + 1
         max_loras = self.adapters.capacity_rows // max(1, self.config.max_lora_rank)

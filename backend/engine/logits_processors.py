@@ -16,7 +16,7 @@ Order (vLLM's): grammar, allowed, bad words, logit bias; the sampler then applie
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -36,6 +36,16 @@ class RequestConstraints:
     allowed_ids: Tensor | None = None  # int64 [A]
     bad_words: list[list[int]] | None = None  # token-id sequences (vLLM: with and without a leading space)
     grammar: Any = None  # xgrammar CompiledGrammar; each sequence gets its own matcher
+    _drop: dict = field(default_factory=dict, repr=False)  # device -> bool [V]: True where not allowed
+
+    def allowed_drop(self, vocab_size: int, device: torch.device) -> Tensor:
+        """The allowed_token_ids mask as a row (built once per device, not every step)."""
+        mask = self._drop.get(device)
+        if mask is None:
+            mask = torch.ones(vocab_size, dtype=torch.bool)
+            mask[self.allowed_ids] = False
+            mask = self._drop[device] = mask.to(device)
+        return mask
 
 
 def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
@@ -121,25 +131,28 @@ class ProcessorBatch:
     @classmethod
     def build(cls, constraints: Sequence[RequestConstraints | None], matchers: Sequence[Any] | None,
               output_token_ids: Sequence[Sequence[int]], vocab_size: int,
-              device: torch.device | str) -> "ProcessorBatch | None":
+              device: torch.device | str, rows: Sequence[int] | None = None) -> "ProcessorBatch | None":
+        """`rows`: the sampler rows the lists describe (None: row i is entry i), so a caller can pass only the
+        rows that have constraints."""
         V = int(vocab_size)
+        dev = torch.device(device)
         g_rows, g_matchers = [], []
-        a_rows, a_ids, a_local = [], [], []
+        a_rows, a_masks = [], []
         ban_r, ban_c = [], []
         b_rows, b_ids, b_vals = [], [], []
-        for r, c in enumerate(constraints):
-            m = matchers[r] if matchers is not None else None
+        for j, c in enumerate(constraints):
+            r = rows[j] if rows is not None else j
+            m = matchers[j] if matchers is not None else None
             if m is not None:
                 g_rows.append(r)
                 g_matchers.append(m)
             if c is None:
                 continue
             if c.allowed_ids is not None:
-                a_local.append(torch.full((len(c.allowed_ids),), len(a_rows), dtype=torch.int64))
                 a_rows.append(r)
-                a_ids.append(c.allowed_ids)
+                a_masks.append(c.allowed_drop(V, dev))
             if c.bad_words:
-                banned = banned_by_bad_words(c.bad_words, output_token_ids[r])
+                banned = banned_by_bad_words(c.bad_words, output_token_ids[j])
                 ban_r += [r] * len(banned)
                 ban_c += banned
             if c.bias_ids is not None:
@@ -149,11 +162,7 @@ class ProcessorBatch:
         if not (g_rows or a_rows or ban_r or b_rows):
             return None
         maskers = sorted(set(g_rows) | set(a_rows))
-        dev = torch.device(device)
-        drop = None
-        if a_rows:
-            drop = torch.ones(len(a_rows), V, dtype=torch.bool)
-            drop[torch.cat(a_local), torch.cat(a_ids)] = False
+        drop = torch.stack(a_masks) if a_rows else None
 
         def d(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(dev, non_blocking=True)

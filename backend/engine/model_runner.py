@@ -20,6 +20,10 @@ from loom.engine.scheduler import ScheduledBatch
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
 
+# async scheduling: (flat input positions, rows of the tokens tensor, the step in flight's sampled tokens on the
+# device): input ids that step is still sampling
+TokenFill = tuple[np.ndarray, np.ndarray, torch.Tensor]
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str):
@@ -57,7 +61,8 @@ class ModelRunner:
         t, s, lb = self.max_num_tokens, self.max_num_seqs, self.graph_max_batch()
         i64, i32 = torch.int64, torch.int32
         return StepBuffers({
-            "input_ids": (i64, t), "positions": (i64, t), "slot_mapping": (i64, t), "logits_indices": (i64, s + t),
+            "input_ids": (i64, t), "positions": (i64, t), "slot_mapping": (i64, t),
+            "fill_pos": (i64, s), "fill_src": (i64, s), "logits_indices": (i64, s + t),
             "lora_tokens": (i64, lb),
             "cu_seqlens": (i32, s + 1), "prefill_cu": (i32, s + 1), "seq_lens": (i32, s),
             "lora_seg": (i32, lb + 1), "lora_rows": (i32, lb), "lora_ranks": (i32, lb),
@@ -110,13 +115,14 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
-                extra_rows: list[int] | None = None, pad_to: int | None = None,
+                extra_rows: list[int] | None = None, pad_to: int | None = None, fill: TokenFill | None = None,
                 ) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Write the step into the persistent buffers; -> (input ids, forward context, sampled sequences).
 
         pad_to (decode-only steps, the graph path): rows past the batch up to pad_to are padding - token 0 at
         position 0, slot -1 (nothing stored), context length 0 (attention returns zeros) - and the context is
-        left to the caller (a graph reads the buffers it was captured with)."""
+        left to the caller (a graph reads the buffers it was captured with). fill (async scheduling): input ids
+        the step in flight is still sampling; staged here, written on the device by fill_ids() after the commit."""
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
         s = len(seqs)
         starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
@@ -144,6 +150,10 @@ class ModelRunner:
         seq_lens[:s] = ends
         if pad_to is not None:  # padding rows of a graph batch
             ids[t:], positions[t:], slots[t:], seq_lens[s:] = 0, 0, -1, 0
+        if fill is not None:
+            k = len(fill[0])
+            buf.host("fill_pos", k)[:] = fill[0]
+            buf.host("fill_src", k)[:] = fill[1]
 
         # Sample only sequences whose known tokens are all computed after this step.
         sampled = [i for i, q in enumerate(seqs) if ends[i] == q.num_tokens]
@@ -173,19 +183,29 @@ class ModelRunner:
         ctx = ForwardContext(positions=dev("positions", t), slot_mapping=dev("slot_mapping", t),
                              num_decode_seqs=d, decode=decode, prefill=prefill,
                              logits_indices=dev("logits_indices", n_rows), lora=lora)
-        return dev("input_ids", t), ctx, sampled
+        ids_dev = dev("input_ids", t)
+        self.fill_ids(ids_dev, fill)
+        return ids_dev, ctx, sampled
+
+    def fill_ids(self, ids: torch.Tensor, fill: TokenFill | None) -> None:
+        """Async scheduling: write the tokens the step in flight is sampling over their placeholders in the
+        committed input ids, on the device (no host sync)."""
+        if fill is not None:
+            dev, k = self.buffers.device_view, len(fill[0])
+            ids.index_copy_(0, dev("fill_pos", k), fill[2].index_select(0, dev("fill_src", k)))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
-            extra_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: ScheduledBatch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None,
+            fill: TokenFill | None = None) -> tuple[torch.Tensor, list[int]]:
         """Returns float32 logits of the sampled sequences and their indices into batch.seqs; with `extra_rows`
-        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows.
+        (indices into the step's flat tokens), the logits of those tokens follow the sampled rows. `fill` (async
+        scheduling): input ids not known on the host yet, taken on the device from the step in flight.
         No host sync on CUDA: the logits come back as a device tensor still being computed."""
         if self.graphs is not None and not extra_rows:
-            out = self.graphs.run(batch, lora)
+            out = self.graphs.run(batch, lora, fill)
             if out is not None:
                 return out
-        ids, ctx, sampled = self.prepare(batch, lora, extra_rows)
+        ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with forward_context(ctx):
             logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
         return logits, sampled

@@ -12,7 +12,7 @@ class TokenLogprob:
     rank: int | None = None  # exact rank of token_id (1 = most likely) where computed (prompt logprobs)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
@@ -21,12 +21,14 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
-    cumulative_logprob: float
+    cumulative_logprob: float | None  # None unless logprobs or a cumulative logprob were asked for
     error: str | None = None  # set with finish_reason "error"
     index: int = 0  # which of the request's n completions
     # prompt logprobs (params.prompt_logprobs), once, with the request's first token: entry j is prompt token j
     # (None for the first token, which has no context)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with the first token: (first scheduled, first token on the host), time.monotonic() (the TTFT waterfall)
+    timing: tuple[float | None, float] | None = None
 
 
 @dataclass

@@ -30,10 +30,12 @@ two-level cumsum costs a few ms and is exact as well.)
 
 Logprobs: the returned logprobs are always those of the *raw* model distribution,
 ``log_softmax(logits)`` of the unmodified logits passed in (before penalties, min_tokens masking,
-temperature, top-k, top-p and min-p); this is vLLM's default ("raw_logprobs").  The sampled token's
-logprob is returned for every row; the top-K (K = the largest ``logprobs`` n in the batch) ids and
-logprobs, sorted by decreasing logprob, are returned when K > 0 (rows asking for fewer are sliced by
-the caller).
+temperature, top-k, top-p and min-p); this is vLLM's default ("raw_logprobs").  They are computed only
+for the rows that need them (``SamplingBatch.logprob_rows``; a batch where nobody asked has no
+vocabulary-wide pass beyond what sampling itself needs), as ``logit - logsumexp(logits)`` (no [rows, V]
+log_softmax is materialised): the sampled token's logprob, and the top-K (K = the largest ``logprobs`` n
+in the batch) ids and logprobs, sorted by decreasing logprob, when K > 0 (rows asking for fewer are
+sliced by the caller).
 
 Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are all kept, as in
 vLLM / HF).  Top-p keeps, in decreasing probability order, the tokens whose preceding mass is < top_p,
@@ -330,6 +332,9 @@ class SamplingBatch:
     max_logprobs: int  # K = max requested n (0: only the sampled token's logprob)
     # grammar, allowed_token_ids, bad_words, logit_bias (loom.engine.logits_processors); None: no row uses them
     processors: ProcessorBatch | None = None
+    need_logprobs: bool = True  # some row wants its sampled token's logprob (logprobs or a cumulative logprob)
+    logprob_rows: Tensor | None = None  # [L] those rows (None: all rows)
+    greedy_rows: Tensor | None = None  # [G] rows with temperature 0 when the batch mixes greedy and random rows
 
     @classmethod
     def build(
@@ -343,7 +348,11 @@ class SamplingBatch:
         device: torch.device | str,
         constraints: list[RequestConstraints | None] | None = None,
         matchers: list | None = None,
+        want_logprobs: list[bool] | None = None,
     ) -> "SamplingBatch":
+        """The simple path: every tensor built from the per-sequence lists (the engine keeps this state across
+        steps instead, loom.engine.sampling_state). ``want_logprobs``: which rows need their sampled token's
+        logprob (None: every row)."""
         S = len(params)
         assert S > 0 and len(seeds) == S and len(prompt_token_ids) == S and len(output_token_ids) == S
         assert len(stop_ids_for_min_tokens) == S
@@ -367,6 +376,7 @@ class SamplingBatch:
         all_greedy = bool(greedy.all())
         all_random = not bool(greedy.any())
         random_rows = None if (all_greedy or all_random) else torch.nonzero(~greedy).flatten()
+        greedy_rows = None if random_rows is None else torch.nonzero(greedy).flatten()
 
         # top-k / top-p / min-p among the random rows
         rk = top_k if random_rows is None else top_k[random_rows]
@@ -404,6 +414,12 @@ class SamplingBatch:
                 pt = torch.tensor(pairs, dtype=torch.int64)
                 mt_rows, mt_cols = pt[:, 0], pt[:, 1]
 
+        need_lp, lp_rows = True, None
+        if want_logprobs is not None:
+            lp = [r for r, w in enumerate(want_logprobs) if w]
+            need_lp = bool(lp)
+            lp_rows = None if len(lp) in (0, S) else torch.tensor(lp, dtype=torch.int64)
+
         dev = torch.device(device)
 
         def d(t: Tensor | None) -> Tensor | None:
@@ -418,7 +434,7 @@ class SamplingBatch:
             no_min_p=no_min_p,
             no_penalties=no_penalties, penalty_rows=d(penalty_rows), prompt_ids=d(prompt_ids), output_ids=d(output_ids),
             min_tokens_rows=d(mt_rows), min_tokens_cols=d(mt_cols),
-            max_logprobs=int(nlog.max()),
+            max_logprobs=int(nlog.max()), need_logprobs=need_lp, logprob_rows=d(lp_rows), greedy_rows=d(greedy_rows),
             processors=ProcessorBatch.build(constraints or [None] * S, matchers, output_token_ids, V, dev)
             if (constraints is not None and any(c is not None for c in constraints))
             or (matchers is not None and any(m is not None for m in matchers)) else None,
@@ -427,10 +443,12 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
+    """Logprob tensors cover ``logprob_rows`` (None: every row), and are None when no row needs them."""
     token_ids: Tensor  # [S] int64
-    logprobs: Tensor  # [S] f32, raw-model logprob of the sampled token
-    topk_ids: Tensor | None  # [S, K] int64, K = batch.max_logprobs (None if K == 0)
-    topk_logprobs: Tensor | None  # [S, K] f32, sorted decreasing
+    logprobs: Tensor | None  # [L] f32, raw-model logprob of the sampled token
+    topk_ids: Tensor | None  # [L, K] int64, K = batch.max_logprobs (None if K == 0)
+    topk_logprobs: Tensor | None  # [L, K] f32, sorted decreasing
+    logprob_rows: Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -491,12 +509,26 @@ class Sampler:
             if not b.no_min_p:
                 xr = apply_min_p(xr, g(b.min_p))
             sampled = sample_from_logits(xr, counter_uniform(g(b.seeds), g(b.steps)))
-            token_ids = sampled if rows is None else x.argmax(dim=-1).index_copy(0, rows, sampled)
+            if rows is None:
+                token_ids = sampled
+            else:  # greedy rows take the argmax and nothing else
+                token_ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+                token_ids.index_copy_(0, rows, sampled)
+                token_ids.index_copy_(0, b.greedy_rows, x.index_select(0, b.greedy_rows).argmax(dim=-1))
+        return self._logprobs(logits, token_ids, b)
 
-        # raw-model logprobs
-        lp = torch.log_softmax(logits, dim=-1)
-        logprobs = lp.gather(1, token_ids[:, None]).squeeze(1)
+    @staticmethod
+    def _logprobs(logits: Tensor, token_ids: Tensor, b: SamplingBatch) -> SamplerOutput:
+        """Raw-model logprobs of the rows that want them: logit - logsumexp (no [rows, V] log_softmax)."""
+        if not b.need_logprobs:
+            return SamplerOutput(token_ids, None, None, None)
+        rows = b.logprob_rows
+        lg = logits if rows is None else logits.index_select(0, rows)
+        tok = token_ids if rows is None else token_ids.index_select(0, rows)
+        lse = torch.logsumexp(lg, dim=-1)
+        logprobs = lg.gather(1, tok[:, None]).squeeze(1) - lse
         topk_ids = topk_lp = None
         if b.max_logprobs > 0:
-            topk_lp, topk_ids = lp.topk(min(b.max_logprobs, b.vocab_size), dim=-1)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_lp)
+            vals, topk_ids = lg.topk(min(b.max_logprobs, b.vocab_size), dim=-1)
+            topk_lp = vals - lse[:, None]
+        return SamplerOutput(token_ids, logprobs, topk_ids, topk_lp, rows)

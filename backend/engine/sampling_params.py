@@ -49,6 +49,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (first token: None)
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
+    # Not a vLLM parameter: report the cumulative logprob without asking for `logprobs` (Triton's
+    # return_cumulative_logprob sets it). Without either, no logprob is computed and it is reported as None.
+    cumulative_logprob: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -99,6 +102,7 @@ class SamplingParams:
               and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", f"must be a list of at most {MAX_STOP_ITEMS} non-negative token ids")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
+        check(isinstance(self.cumulative_logprob, bool), "cumulative_logprob", "must be true or false")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs), "logprobs",
               f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
         check(self.prompt_logprobs is None

@@ -7,6 +7,7 @@ with its output so far, which is prefilled again when it resumes.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -51,27 +52,45 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        scheduled: dict[Sequence, int] = {}
+        bs = self.bm.block_size
+        # decodes (1 token) and prefills/extends, each in scheduling order (the batch lists decodes first)
+        dec: list[Sequence] = []
+        pre: list[Sequence] = []
+        pre_n: list[int] = []
 
-        # 1) running requests, oldest first; preempt from the newest end when blocks run out.
+        # 1) running requests, oldest first; preempt from the newest end when blocks run out. A victim is always
+        # at or after position i (popped from the end), so nothing scheduled is ever taken back.
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate(seq, n):
-                victim = self.running.pop()
-                scheduled.pop(victim, None)
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                scheduled[seq] = n
-                budget -= n
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            if n > budget:
+                n = budget
+            elif n <= 0:  # nothing to compute (cannot happen today; never schedule an empty entry)
                 i += 1
+                continue
+            if seq.num_computed_tokens + n > len(seq.block_table) * bs:  # needs blocks
+                preempted_self = False
+                while not self.bm.allocate(seq, n):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    if victim is seq:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    continue
+            if n == 1:
+                dec.append(seq)
+            else:
+                pre.append(seq)
+                pre_n.append(n)
+            budget -= n
+            i += 1
 
         # 2) waiting requests, in arrival order (preempted ones are at the front).
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.can_run(seq):  # e.g. its adapter is still loading: let others pass
                 skipped.append(self.waiting.popleft())
@@ -89,17 +108,18 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_computed_tokens
             if not seq.ever_scheduled:
                 seq.num_cached_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             seq.ever_scheduled = True
-            self.running.append(seq)
-            scheduled[seq] = n
+            running.append(seq)
+            if n == 1:
+                dec.append(seq)
+            else:
+                pre.append(seq)
+                pre_n.append(n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-
-        seqs = list(scheduled)
-        seqs.sort(key=lambda s: scheduled[s] != 1)  # stable: decodes first
-        counts = [scheduled[s] for s in seqs]
-        return ScheduledBatch(seqs, counts, sum(1 for n in counts if n == 1))
+        return ScheduledBatch(dec + pre, [1] * len(dec) + pre_n, len(dec))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and free its blocks."""
@@ -113,3 +133,17 @@ class Scheduler:
             except ValueError:
                 pass
         self.bm.free_sequence(seq)
+
+    def finish_many(self, ending: list[tuple[Sequence, str]]) -> None:
+        """finish() for many sequences with one pass over each queue (many end in the same step)."""
+        was_waiting = False
+        for seq, reason in ending:
+            was_waiting = was_waiting or seq.status is SequenceStatus.WAITING
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            self.bm.free_sequence(seq)
+        self.running[:] = [s for s in self.running if s.status is not SequenceStatus.FINISHED]
+        if was_waiting:
+            kept = [s for s in self.waiting if s.status is not SequenceStatus.FINISHED]
+            self.waiting.clear()
+            self.waiting.extend(kept)

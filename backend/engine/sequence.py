@@ -37,13 +37,20 @@ class Sequence:
     constraints: Any = None  # loom.engine.logits_processors.RequestConstraints (shared by the n completions)
     matcher: Any = None  # this sequence's grammar matcher (structured outputs)
     prompt_logprobs: list | None = None  # entries computed so far (params.prompt_logprobs)
+    sampling_row: int = -1  # its row in the engine's SamplingState once it sampled (-1: none)
+    # async scheduling: (step in flight, its row there, position in token_ids) of the token that step is sampling
+    pending: Any = None
+    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled (TTFT waterfall)
+    num_prompt_tokens: int = field(init=False)  # the prompt never changes: a plain attribute (read every step)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def wants_logprob(self) -> bool:
+        """Whether the sampled tokens' logprobs are computed (logprobs, or a cumulative logprob asked for)."""
+        return self.params.logprobs is not None or self.params.cumulative_logprob
 
     @property
     def num_tokens(self) -> int:

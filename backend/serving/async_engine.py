@@ -1,12 +1,15 @@
 """Thread-safe front of one LLMEngine: one loop thread steps the engine; callers submit and get deltas.
 
-Why one thread: the engine (scheduler, block manager, model runner) is not thread-safe, and on a GPU
-the step is the bottleneck anyway. Everything that touches the engine (add, abort, adapter ops,
-stats) therefore runs in the loop thread between steps; other threads only hand work over through
-`self._cond`. Per-step callbacks (`on_output`) run in the loop thread and must be cheap: the Triton
-glue puts deltas into an `Outbox`, and `ResponseStreamer` threads send them, merging whatever piled up
-while a send was in flight into one response (a send costs ~0.3 ms of server time, a step can make
-hundreds of tokens).
+Why one thread: the engine (scheduler, block manager, model runner) is not thread-safe, and on a GPU the step
+is the bottleneck anyway. Everything that touches the engine (add, abort, adapter ops, stats) runs in the loop
+thread between steps; other threads hand work over through `self._cond`. The loop does only engine work: per
+step it hands the step's outputs to the output worker (loom.serving.output_worker: detokenization, stop strings,
+deltas, `on_output`) in one queue put, and hears back only about changes (a completion a stop string ended, a
+request whose final delta went out). Cancellation is polled by its own thread (loom.serving.cancel_watch) and
+deadlines sit in a heap, so what the loop does per step does not grow with the number of running requests
+beyond the engine step itself. `on_output` runs in the output worker and must be cheap: the Triton glue puts
+deltas into an `Outbox`, and `ResponseStreamer` threads send them, merging whatever piled up while a send was in
+flight into one response.
 
 A request with n > 1 completions produces one delta stream per completion (`RequestDelta.index`); the request
 is finished when all n are. Health: a sticky device error reported by the engine, too many failed steps in a
@@ -15,74 +18,32 @@ row, or the loop thread dying make the engine unhealthy for good: in-flight requ
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
 import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from loom.device import bind_thread
-from loom.engine.detokenizer import IncrementalDetokenizer
 from loom.engine.faults import is_sticky_device_error
-from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
+from loom.engine.outputs import EngineStats
 from loom.engine.sampling_params import SamplingParams
 from loom.errors import RequestError
+from loom.serving.cancel_watch import CancelWatcher
+from loom.serving.deltas import Observer, RequestDelta, RequestTiming, ServingRequest
+from loom.serving.output_worker import OutputWorker
+
+__all__ = ["AsyncEngine", "AsyncStats", "Observer", "RequestDelta", "RequestTiming"]
 
 log = logging.getLogger("loom.async_engine")
 
-
-@dataclass
-class RequestDelta:
-    """What one completion of a request produced since the last delta (or, merged, since the last send)."""
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finished: bool = False  # the whole request is finished (every completion)
-    finish_reason: str | None = None  # this completion's, once it ended: stop | length | abort
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0  # total so far (the delta's own count is len(token_ids))
-    cumulative_logprob: float = 0.0
-    error: str | None = None  # "field: message" when the request failed
-    error_kind: str | None = None  # invalid | unavailable | cancelled | timeout | internal
-    index: int = 0  # which of the request's n completions
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the request's first token
-
-    def merge(self, later: "RequestDelta") -> None:
-        self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        if later.prompt_logprobs is not None:
-            self.prompt_logprobs = later.prompt_logprobs
-        if later.finish_reason is not None or self.finish_reason is None:
-            self.finish_reason = later.finish_reason
-        for name in ("finished", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
-                     "cumulative_logprob", "error", "error_kind"):
-            setattr(self, name, getattr(later, name))
-
-
-@dataclass
-class RequestTiming:
-    """Handed to the observer when a request ends (metrics)."""
-    request_id: str
-    arrival: float
-    first_token: float | None
-    finished: float
-    num_prompt_tokens: int
-    num_output_tokens: int  # over all n completions
-    finish_reason: str | None
-    error_kind: str | None
-    n: int = 1
-
-
-class Observer(Protocol):
-    def on_step(self, stats: EngineStats, prompt_tokens: int, generation_tokens: int,
-                inter_token_latencies: list[float] = ...) -> None: ...
-    def on_request_finished(self, timing: RequestTiming) -> None: ...
+# Steps the loop may run before the output worker has processed them (the worker's time overlaps the next step;
+# more lead would only let output, and the aborts stop strings cause, fall behind).
+MAX_STEPS_AHEAD = 2
 
 
 @dataclass
@@ -96,31 +57,11 @@ class AsyncStats:
     requests_total: int
 
 
-@dataclass
-class _Req:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lora_name: str | None
-    on_output: Callable[[RequestDelta], None]
-    is_cancelled: Callable[[], bool] | None
-    deadline: float | None
-    timeout_s: float | None
-    arrival: float
-    detoks: list = field(default_factory=list)  # one incremental detokenizer per completion
-    first_token: float | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output: list[int] = field(default_factory=list)  # per completion
-    cumulative: list[float] = field(default_factory=list)  # per completion
-    last_token: list[float | None] = field(default_factory=list)  # per completion: when its latest token came
-    done: dict[int, str | None] = field(default_factory=dict)  # finished completions -> finish reason
-
-
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue_size: int = 1024, default_timeout_s: float | None = None,
                  observer: Observer | None = None, max_failed_steps: int = 16,
-                 on_unhealthy: Callable[[str], None] | None = None):
+                 on_unhealthy: Callable[[str], None] | None = None, cancel_poll_interval_s: float = 0.02,
+                 cancel_poll_duty: float = 0.05):
         self.engine = engine
         self.max_queue_size = max_queue_size
         self.default_timeout_s = default_timeout_s
@@ -128,19 +69,25 @@ class AsyncEngine:
         self.max_failed_steps = max_failed_steps  # failed steps in a row that make the engine unhealthy (0: never)
         self.on_unhealthy = on_unhealthy
         self._unhealthy: str | None = None
-        self._itl: list[float] = []  # inter-token latencies since the last report (loop thread)
         self._cond = threading.Condition()
-        self._inbox: list[_Req] = []
-        self._aborts: list[str] = []
+        self._inbox: list[ServingRequest] = []
+        self._aborts: list[tuple[str, str | None]] = []  # (request id, "cancelled" or None)
         self._calls: list[tuple[Callable[[Any], Any], Future]] = []
+        self._msgs: list[tuple] = []  # from the output worker: ("done", req) / ("abort", req, index)
+        self._worker_pending = 0  # events posted to the output worker and not processed yet (guarded by _cond)
+        self._steps_behind = 0  # of which steps: the loop runs at most MAX_STEPS_AHEAD steps ahead of the worker
         self._ids: set[str] = set()  # every accepted, unfinished request id (guarded by _cond)
         self._unstarted = 0  # guarded by _cond
         self._stopping = False
-        self._reqs: dict[str, _Req] = {}  # loop thread only
+        self._reqs: dict[str, ServingRequest] = {}  # loop thread only: requests the engine may still hold
+        self._deadlines: list[tuple[float, int, ServingRequest]] = []  # loop thread only: a heap
+        self._seq = itertools.count()
         self._stats = EngineStats()
         self._steps = self._step_errors = self._requests_total = 0
         self._consecutive_errors = 0
-        self._prompt_tokens_pending = self._gen_tokens_pending = 0
+        self.loop_busy_s = 0.0  # loop time outside engine.step() (the serving benchmark reads it)
+        self._worker = OutputWorker(self, getattr(engine, "tokenizer", None), observer)
+        self._watcher = CancelWatcher(self._cancelled, cancel_poll_interval_s, cancel_poll_duty)
         self._thread = threading.Thread(target=self._run, name="loom-engine-loop", daemon=True)
         self._thread.start()
 
@@ -153,8 +100,8 @@ class AsyncEngine:
         engine-side refusals (prompt too long, unknown adapter) arrive as a finished delta with `error`."""
         now = time.monotonic()
         timeout_s = timeout_s if timeout_s is not None else self.default_timeout_s
-        req = _Req(request_id, list(prompt_token_ids), params, lora_name, on_output or (lambda d: None), is_cancelled,
-                   now + timeout_s if timeout_s else None, timeout_s, now)
+        req = ServingRequest(request_id, list(prompt_token_ids), params, lora_name, on_output or (lambda d: None),
+                             is_cancelled, now + timeout_s if timeout_s else None, timeout_s, now)
         with self._cond:
             if self._stopping:
                 raise RequestError("server", "the model is shutting down; retry on another instance")
@@ -172,10 +119,12 @@ class AsyncEngine:
             self._requests_total += 1
             self._inbox.append(req)
             self._cond.notify()
+        if is_cancelled is not None:
+            self._watcher.watch(request_id, req)
 
     def abort(self, request_id: str) -> None:
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.append((request_id, None))
             self._cond.notify()
 
     def call_in_loop(self, fn: Callable[[Any], Any]) -> Future:
@@ -214,12 +163,26 @@ class AsyncEngine:
             return AsyncStats(self._stats, len(self._ids), self._unstarted, self.max_queue_size, self._steps,
                               self._step_errors, self._requests_total)
 
+    def timings(self) -> dict:
+        """Where the serving layer's time goes (for the overhead benchmark): per engine step, the loop's time outside
+        engine.step(), the output worker's time; per cancellation sweep, its time."""
+        steps = max(1, self._steps)
+        w = self._watcher
+        return {"loop_ms_per_step": self.loop_busy_s / steps * 1e3,
+                "detok_ms_per_step": self._worker.busy_s / steps * 1e3,
+                "cancel_ms_per_sweep": w.sweep_s / max(1, w.sweeps) * 1e3, "cancel_sweeps": w.sweeps,
+                "cancel_polls": w.polls}
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Fail whatever is still in flight (error kind "unavailable") and stop the loop thread."""
+        """Fail whatever is still in flight (error kind "unavailable") and stop the threads."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # the loop handed its last events over; else it still holds them
+            self._worker.join(max(0.1, deadline - time.monotonic()))
+        self._watcher.stop(max(0.1, deadline - time.monotonic()))
 
     @property
     def loop_alive(self) -> bool:
@@ -234,6 +197,59 @@ class AsyncEngine:
             return "the engine loop thread died"
         return None
 
+    # ------------------------------------------------------------ from the other threads
+
+    def _cancelled(self, rid: str, req: ServingRequest) -> None:
+        """The cancellation watcher found this request cancelled."""
+        with self._cond:
+            self._aborts.append((rid, "cancelled"))
+            self._cond.notify()
+
+    def _started(self, r: ServingRequest) -> None:  # output worker: its first token
+        with self._cond:
+            self._unstarted -= 1
+
+    def _closed(self, r: ServingRequest) -> None:
+        """Output worker: the request's final delta is about to go out. The loop forgets it (and aborts what the
+        engine may still hold of it) before the id can be reused."""
+        with self._cond:
+            self._msgs.append(("done", r))
+            self._ids.discard(r.request_id)
+            if r.first_token is None:
+                self._unstarted -= 1
+            self._cond.notify()
+        if r.is_cancelled is not None:
+            self._watcher.unwatch(r.request_id, r)
+
+    def _engine_abort_later(self, r: ServingRequest, index: int | None) -> None:
+        """Output worker: a stop string (or a failure) ended this completion (all of them: None) first."""
+        with self._cond:
+            self._msgs.append(("abort", r, index))
+            self._cond.notify()
+
+    def _worker_processed(self, kind: str) -> None:
+        with self._cond:
+            self._worker_pending -= 1
+            if kind == "step":
+                self._steps_behind -= 1
+                if self._steps_behind == MAX_STEPS_AHEAD - 1:
+                    self._cond.notify()
+            if not self._worker_pending:
+                self._cond.notify()
+
+    def _post(self, kind: str, *event) -> None:
+        with self._cond:
+            self._worker_pending += 1
+            if kind == "step":
+                self._steps_behind += 1
+        self._worker.post(kind, *event)
+
+    def _end(self, r: ServingRequest, **kw) -> None:
+        """The request ends here (loop thread): the worker sends its final delta unless it ended already."""
+        if self._reqs.get(r.request_id) is r:
+            del self._reqs[r.request_id]
+        self._post("end", r, kw)
+
     def _mark_unhealthy(self, reason: str) -> None:
         """Fail what is in flight and tell the glue, once."""
         if self._unhealthy is not None:
@@ -244,11 +260,10 @@ class AsyncEngine:
         with self._cond:
             inbox, self._inbox = self._inbox, []
         for r in inbox:
-            self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort", error=msg,
-                                         error_kind="unavailable"))
+            self._end(r, error=msg, error_kind="unavailable")
         for r in list(self._reqs.values()):
             self._engine_abort(r.request_id)
-            self._fail(r, "unavailable", msg)
+            self._end(r, error=msg, error_kind="unavailable")
         if self.on_unhealthy is not None:
             try:
                 self.on_unhealthy(reason)
@@ -266,44 +281,79 @@ class AsyncEngine:
                 self._mark_unhealthy(f"the engine loop thread died: {type(e).__name__}: {e}")
             raise
 
+    def _idle(self) -> bool:
+        """Nothing to do: wait (called with the condition held)."""
+        if self._inbox or self._aborts or self._calls or self._stopping or self._msgs:
+            return False
+        if self._engine_busy():
+            # a bounded lead over the output worker: output (and a stop string's abort) is never far behind
+            return self._steps_behind >= MAX_STEPS_AHEAD
+        # requests the engine no longer holds: the worker is still sending their ends, or they vanished
+        return not (self._reqs and self._worker_pending == 0)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._aborts or self._calls or self._stopping or self._reqs
-                           or self._engine_busy()):
+                while self._idle():
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 calls, self._calls = self._calls, []
+                msgs, self._msgs = self._msgs, []
                 stopping = self._stopping
+                worker_idle = self._worker_pending == 0 and not msgs
+            t0 = time.perf_counter()
+            step_s = 0.0
             try:
                 if stopping:
                     self._stop(inbox, calls)
                     return
+                for m in msgs:  # before the inbox: a finished request's id may come back in it
+                    self._from_worker(m)
                 for fn, fut in calls:
                     self._call(fn, fut)
-                for rid in aborts:
-                    self._abort(rid, inbox)
+                for rid, kind in aborts:
+                    self._abort(rid, kind, inbox)
                 for req in inbox:
                     self._add(req)
-                self._poll(time.monotonic())
+                if self._deadlines:
+                    self._expire(time.monotonic())
                 if self._unhealthy is not None:
                     for r in list(self._reqs.values()):  # raced in after the engine broke
-                        self._fail(r, "unavailable", f"server: the model is unavailable: its engine is unhealthy "
-                                                     f"({self._unhealthy})")
+                        self._end(r, error=f"server: the model is unavailable: its engine is unhealthy "
+                                           f"({self._unhealthy})", error_kind="unavailable")
                 elif self._engine_busy():
-                    self._step()
-                elif self._reqs:
+                    if self._steps_behind < MAX_STEPS_AHEAD:
+                        t1 = time.perf_counter()
+                        self._step()
+                        step_s = time.perf_counter() - t1
+                elif self._reqs and worker_idle:
                     # The engine lost requests we still track: fail them instead of spinning.
                     for r in list(self._reqs.values()):
-                        self._fail(r, "internal", "engine: the request vanished from the engine")
-                self._report()
+                        self._end(r, error="engine: the request vanished from the engine", error_kind="internal")
+                try:
+                    stats = self.engine.stats()
+                except Exception:
+                    stats = self._stats
+                with self._cond:
+                    self._stats = stats
             except Exception:  # a bug here must not kill the thread that serves everyone
                 log.error("engine loop error:\n%s", traceback.format_exc())
                 time.sleep(0.01)
+            self.loop_busy_s += time.perf_counter() - t0 - step_s
 
     def _engine_busy(self) -> bool:
         return bool(self.engine.has_unfinished_requests())
+
+    def _from_worker(self, m: tuple) -> None:
+        r = m[1]
+        if self._reqs.get(r.request_id) is not r:
+            return  # the loop ended it already
+        if m[0] == "done":
+            del self._reqs[r.request_id]
+            self._engine_abort(r.request_id)  # a no-op when the engine finished it; else a stop string did
+        else:
+            self._engine_abort(r.request_id, m[2])
 
     def _call(self, fn, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -321,36 +371,42 @@ class AsyncEngine:
         else:
             fut.set_result(result)
 
-    def _add(self, r: _Req) -> None:
+    def _add(self, r: ServingRequest) -> None:
         try:
-            n = r.params.n
-            r.detoks = [IncrementalDetokenizer(self.engine.tokenizer, r.prompt_token_ids, r.params) for _ in range(n)]
-            r.num_output, r.cumulative, r.last_token = [0] * n, [0.0] * n, [None] * n
             self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, r.lora_name)
         except RequestError as e:
-            self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort", error=str(e),
-                                         error_kind="invalid"))
+            self._end(r, error=str(e), error_kind="invalid")
             return
         except Exception as e:
             log.error("add_request failed:\n%s", traceback.format_exc())
-            self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort",
-                                         error=f"engine: add_request failed: {type(e).__name__}: {e}",
-                                         error_kind="internal"))
+            self._end(r, error=f"engine: add_request failed: {type(e).__name__}: {e}", error_kind="internal")
             return
-        r.num_prompt_tokens = len(r.prompt_token_ids)  # until the engine reports it (after truncation)
         self._reqs[r.request_id] = r
+        self._post("add", r)
+        if r.deadline is not None:
+            heapq.heappush(self._deadlines, (r.deadline, next(self._seq), r))
 
-    def _abort(self, rid: str, inbox: list[_Req]) -> None:
+    def _abort(self, rid: str, kind: str | None, inbox: list[ServingRequest]) -> None:
+        kw = {"error": "cancelled: the client cancelled the request", "error_kind": "cancelled"} if kind else {}
         r = self._reqs.get(rid)
         if r is not None:
             self._engine_abort(rid)
-            self._finish(r, self._delta(r, finished=True, finish_reason="abort"))
+            self._end(r, **kw)
             return
         for q in inbox:
             if q.request_id == rid:
                 inbox.remove(q)
-                self._finish(q, RequestDelta(rid, finished=True, finish_reason="abort"))
+                self._end(q, **kw)
                 return
+
+    def _expire(self, now: float) -> None:
+        """Deadlines, from a heap: the loop only looks at the ones that passed."""
+        while self._deadlines and self._deadlines[0][0] < now:
+            _, _, r = heapq.heappop(self._deadlines)
+            if self._reqs.get(r.request_id) is r:
+                self._engine_abort(r.request_id)
+                self._end(r, error=f"request_timeout_s: the request ran past its deadline of {r.timeout_s:g} s",
+                          error_kind="timeout")
 
     def _engine_abort(self, rid: str, index: int | None = None) -> None:
         try:
@@ -361,37 +417,19 @@ class AsyncEngine:
         except Exception:
             log.error("abort_request(%s) failed:\n%s", rid, traceback.format_exc())
 
-    def _poll(self, now: float) -> None:
-        """Cancellation and deadlines, once per step (is_cancelled costs ~0.1 ms: never per token)."""
-        for r in list(self._reqs.values()):
-            cancelled = False
-            if r.is_cancelled is not None:
-                try:
-                    cancelled = bool(r.is_cancelled())
-                except Exception:
-                    cancelled = False
-            if cancelled:
-                self._engine_abort(r.request_id)
-                self._finish(r, self._delta(r, finished=True, finish_reason="abort",
-                                            error="cancelled: the client cancelled the request", error_kind="cancelled"))
-            elif r.deadline is not None and now > r.deadline:
-                self._engine_abort(r.request_id)
-                self._finish(r, self._delta(r, finished=True, finish_reason="abort",
-                                            error=f"request_timeout_s: the request ran past its deadline of "
-                                                  f"{r.timeout_s:g} s", error_kind="timeout"))
-
     def _step(self) -> None:
         try:
-            outputs: list[StepOutput] = self.engine.step()
+            outputs = self.engine.step()
         except Exception as e:
             self._on_step_error(e)
             return
         self._steps += 1
         self._consecutive_errors = 0
-        for o in outputs:
-            r = self._reqs.get(o.request_id)
-            if r is not None and o.index not in r.done:  # else aborted by us already: its echo is ignored
-                self._on_output(r, o)
+        try:
+            stats = self.engine.stats()
+        except Exception:
+            stats = self._stats
+        self._post("step", outputs, stats, time.monotonic())
         fatal = getattr(self.engine, "fatal_error", None)  # a sticky device error: every later step would fail
         if fatal:
             self._mark_unhealthy(fatal)
@@ -407,7 +445,7 @@ class AsyncEngine:
         victims = [self._reqs[i] for i in ids if i in self._reqs] if ids else list(self._reqs.values())
         for r in victims:
             self._engine_abort(r.request_id)
-            self._fail(r, "internal", f"engine: step failed: {type(e).__name__}: {e}")
+            self._end(r, error=f"engine: step failed: {type(e).__name__}: {e}", error_kind="internal")
         if is_sticky_device_error(e):
             self._mark_unhealthy(f"sticky device error: {type(e).__name__}: {e}")
             return
@@ -417,101 +455,13 @@ class AsyncEngine:
             return
         time.sleep(min(0.001 * 2 ** self._consecutive_errors, 1.0))  # a broken engine must not spin a core
 
-    def _on_output(self, r: _Req, o: StepOutput) -> None:
-        now = time.monotonic()
-        if o.finish_reason == "error" or o.error:
-            self._engine_abort(r.request_id)  # its other completions, if any
-            self._fail(r, "internal", o.error or "engine: the request failed")
-            return
-        i = o.index
-        r.num_prompt_tokens, r.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
-        if o.new_token_ids and r.first_token is None:  # prefill done: count the prompt once
-            r.first_token = now
-            self._prompt_tokens_pending += o.num_prompt_tokens
-            with self._cond:
-                self._unstarted -= 1
-        if o.new_token_ids and self.observer is not None:
-            last = r.last_token[i]
-            if last is not None:  # vLLM's inter-token latency: one observation per token after the first
-                self._itl.extend([(now - last) / len(o.new_token_ids)] * len(o.new_token_ids))
-            elif len(o.new_token_ids) > 1:
-                self._itl.extend([0.0] * (len(o.new_token_ids) - 1))
-            r.last_token[i] = now
-        r.num_output[i] += len(o.new_token_ids)
-        r.cumulative[i] = o.cumulative_logprob
-        self._gen_tokens_pending += len(o.new_token_ids)
-        try:
-            u = r.detoks[i].update(o.new_token_ids, o.finished, o.finish_reason)
-        except Exception as e:
-            log.error("detokenizer failed:\n%s", traceback.format_exc())
-            self._engine_abort(r.request_id)
-            self._fail(r, "internal", f"detokenizer: {type(e).__name__}: {e}")
-            return
-        if u.abort_engine:
-            self._engine_abort(r.request_id, i)
-        if u.finished:
-            r.done[i] = u.finish_reason
-        delta = self._delta(r, i, text=u.text, token_ids=list(o.new_token_ids), logprobs=o.new_logprobs,
-                            finished=len(r.done) == r.params.n, finish_reason=u.finish_reason if u.finished else None,
-                            prompt_logprobs=o.prompt_logprobs)
-        if delta.finished:
-            self._finish(r, delta)
-        else:
-            self._emit(r, delta)
-
-    def _delta(self, r: _Req, index: int = 0, **kw) -> RequestDelta:
-        return RequestDelta(r.request_id, num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens,
-                            num_output_tokens=r.num_output[index] if r.num_output else 0,
-                            cumulative_logprob=r.cumulative[index] if r.cumulative else 0.0, index=index, **kw)
-
-    def _fail(self, r: _Req, kind: str, message: str) -> None:
-        self._finish(r, self._delta(r, finished=True, finish_reason="abort", error=message, error_kind=kind))
-
-    def _finish(self, r: _Req, delta: RequestDelta) -> None:
-        self._reqs.pop(r.request_id, None)
-        with self._cond:
-            self._ids.discard(r.request_id)
-            if r.first_token is None:
-                self._unstarted -= 1
-        if self.observer is not None:
-            try:
-                self.observer.on_request_finished(RequestTiming(
-                    r.request_id, r.arrival, r.first_token, time.monotonic(), r.num_prompt_tokens, sum(r.num_output),
-                    delta.finish_reason, delta.error_kind, r.params.n))
-            except Exception:
-                log.error("observer failed:\n%s", traceback.format_exc())
-        self._emit(r, delta)
-
-    def _emit(self, r: _Req, delta: RequestDelta) -> None:
-        try:
-            r.on_output(delta)
-        except Exception:
-            log.error("on_output callback failed for %s:\n%s", r.request_id, traceback.format_exc())
-
-    def _report(self) -> None:
-        try:
-            stats = self.engine.stats()
-        except Exception:
-            stats = self._stats
-        with self._cond:
-            self._stats = stats
-        if self.observer is not None:
-            p, g, itl = self._prompt_tokens_pending, self._gen_tokens_pending, self._itl
-            self._prompt_tokens_pending = self._gen_tokens_pending = 0
-            self._itl = []
-            try:
-                self.observer.on_step(stats, p, g, itl)
-            except Exception:
-                log.error("observer failed:\n%s", traceback.format_exc())
-
-    def _stop(self, inbox: list[_Req], calls) -> None:
+    def _stop(self, inbox: list[ServingRequest], calls) -> None:
         for fn, fut in calls:
             fut.set_exception(RequestError("server", "the model is shutting down"))
         msg = "server: the model is shutting down; retry on another instance"
         for r in inbox:
-            self._finish(r, RequestDelta(r.request_id, finished=True, finish_reason="abort", error=msg,
-                                         error_kind="unavailable"))
+            self._end(r, error=msg, error_kind="unavailable")
         for r in list(self._reqs.values()):
             self._engine_abort(r.request_id)
-            self._fail(r, "unavailable", msg)
-        self._report()
+            self._end(r, error=msg, error_kind="unavailable")
+        self._worker.post("stop")

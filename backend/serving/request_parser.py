@@ -413,6 +413,8 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
     exclude_input = True if stream else bool(exclude)
 
     returns = ReturnFlags(**{f: bool(_optional_bool(inputs, "return_" + f)) for f in ReturnFlags.__dataclass_fields__})
+    if returns.cumulative_logprob:  # the engine computes logprobs only for requests that need them
+        params.cumulative_logprob = True
     return ParsedRequest(prompt, prompt_ids, stream, exclude_input, params, lora_name, timeout, returns)
 
 

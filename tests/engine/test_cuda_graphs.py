@@ -63,10 +63,10 @@ def test_graph_path_matches_eager_and_transformers(mistral):
     seen = []
     orig = g.run
 
-    def spy(batch, lora):  # sizes of the decode-only steps offered to the graph path
+    def spy(batch, lora, fill=None):  # sizes of the decode-only steps offered to the graph path
         if batch.num_decode_seqs == len(batch.seqs):
             seen.append(len(batch.seqs))
-        return orig(batch, lora)
+        return orig(batch, lora, fill)
 
     g.run = spy
     prompts = random_prompts([5, 30, 3, 12, 9, 17, 26], 320, seed=5)

@@ -54,6 +54,13 @@ def make(**kw):
     return eng, ae, obs
 
 
+def wait_for(cond, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return cond()
+
+
 def wait(c: Collector, timeout=5.0):
     assert c.done.wait(timeout), "request did not finish"
     return c
@@ -82,7 +89,8 @@ def test_stop_string_aborts_in_engine():
     ae.submit("r1", [0], SamplingParams(max_tokens=20, stop=["de"]), on_output=c)
     wait(c)
     assert c.text == "bc" and c.last.finish_reason == "stop"
-    assert "r1" in eng.aborted and not eng.running
+    # the output worker found the stop string; the loop aborts the request in the engine before its next step
+    assert wait_for(lambda: "r1" in eng.aborted and not eng.running)
     ae.shutdown()
 
 
@@ -99,13 +107,13 @@ def test_engine_refusal_arrives_as_named_error():
     ae.shutdown()
 
 
-def test_cancellation_polled_once_per_step_and_frees():
-    eng, ae, _ = make()
-    calls = []
+def test_cancellation_polled_off_the_loop_and_frees():
+    eng, ae, _ = make(cancel_poll_interval_s=0.005)
+    threads = set()
     flag = threading.Event()
 
     def is_cancelled():
-        calls.append(eng.steps)
+        threads.add(threading.current_thread().name)
         return flag.is_set()
 
     c = Collector()
@@ -116,9 +124,55 @@ def test_cancellation_polled_once_per_step_and_frees():
     wait(c)
     assert c.last.error_kind == "cancelled" and c.last.finish_reason == "abort"
     assert "r1" in eng.aborted and not eng.running
-    # at most one poll per step
-    assert len(calls) == len(set(calls))
+    assert threads == {"loom-cancel-watch"}  # never on the engine loop thread
     ae.shutdown()
+
+
+def test_the_loop_thread_does_only_engine_work():
+    """Per step the loop hands the outputs over; detokenization, on_output and cancellation polling run in other
+    threads, and the loop never runs more than MAX_STEPS_AHEAD steps ahead of the output worker."""
+    from loom.serving.async_engine import MAX_STEPS_AHEAD
+
+    gate = threading.Event()
+    eng, ae, _ = make()
+    where = {"on_output": set(), "decode": set(), "is_cancelled": set()}
+    decode = eng.tokenizer.decode
+
+    def traced_decode(*a, **kw):
+        where["decode"].add(threading.current_thread().name)
+        return decode(*a, **kw)
+    ae._worker._tokenizer.decode = traced_decode
+    ahead = []
+    step = eng.step
+
+    def traced_step():
+        ahead.append(ae._steps_behind)
+        return step()
+    eng.step = traced_step
+    cs = []
+    for i in range(20):
+        c = Collector()
+        cs.append(c)
+
+        def on_output(d, c=c):
+            where["on_output"].add(threading.current_thread().name)
+            if d.index == 0 and not c.deltas:
+                gate.wait(5)  # the worker is slow at first: the loop must wait for it
+            c(d)
+
+        def is_cancelled():
+            where["is_cancelled"].add(threading.current_thread().name)
+            return False
+        ae.submit(f"r{i}", [i % 26], SamplingParams(max_tokens=8), on_output=on_output, is_cancelled=is_cancelled)
+    time.sleep(0.05)
+    assert eng.steps <= MAX_STEPS_AHEAD + 1  # held back by the output worker
+    gate.set()
+    for c in cs:
+        wait(c)
+    ae.shutdown()
+    assert where == {"on_output": {"loom-outputs"}, "decode": {"loom-outputs"},
+                     "is_cancelled": {"loom-cancel-watch"}}
+    assert max(ahead) <= MAX_STEPS_AHEAD - 1
 
 
 def test_overload_is_refused_immediately():
