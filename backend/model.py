@@ -17,16 +17,18 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from loom.errors import RequestError
 from loom.serving.async_engine import AsyncEngine, RequestDelta
-from loom.serving.request_parser import AdapterOp, ParsedRequest, parse_adapter_op, parse_request
+from loom.serving.request_parser import AdapterOp, parse_adapter_op, parse_request
 from loom.serving.response_streamer import ResponseStreamer
+from loom.serving.responses import ResponseBuilder, ResponseState
 from loom.serving.serve_config import parse_model_parameters
+from loom.serving.timing_log import TimingLog
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 INPUT_NAMES = ("text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
@@ -81,39 +83,8 @@ def _kind_of(e: Exception) -> str:
 
 
 @dataclass
-class _Ctx:
-    sender: object
-    parsed: ParsedRequest
-    prompt_ids: list[int]
-    num_sent_tokens: int = 0
-    reasons: dict = field(default_factory=dict)  # completion index -> its finish reason once it ended
-    cumulative: dict = field(default_factory=dict)  # completion index -> latest cumulative logprob
-    # the TTFT waterfall (time.monotonic()): request id, arrival in execute(), tokenized, submitted; the rest comes
-    # with the first delta
-    request_id: str = ""
-    t_arrival: float = 0.0
-    t_tokenized: float = 0.0
-    t_submitted: float = 0.0
-    timing_logged: bool = False
-
-
-class _TimingLog:
-    """LOOM_TIMING_LOG=<path>: one JSON line per request when its first token is sent, with the stages of its
-    time to first token (time.monotonic(), comparable across processes of one machine). For the serving
-    benchmark's waterfall; off (and free) unless the variable is set."""
-
-    def __init__(self, path: str):
-        self._f = open(path, "a", buffering=1)
-        self._lock = threading.Lock()
-
-    def write(self, ctx: _Ctx, timing: dict | None, t_sent: float) -> None:
-        rec = {"id": ctx.request_id, "arrival": ctx.t_arrival, "tokenized": ctx.t_tokenized,
-               "submitted": ctx.t_submitted, **(timing or {}), "first_sent": t_sent}
-        with self._lock:
-            self._f.write(json.dumps(rec) + "\n")
-
-    def close(self) -> None:
-        self._f.close()
+class _Ctx(ResponseState):
+    sender: object = None
 
 
 class TritonPythonModel:
@@ -155,10 +126,8 @@ class TritonPythonModel:
         # The loop thread decodes with engine.tokenizer; fast tokenizers are not safe to share across
         # threads, so execute() (encode) and the senders (logprob tokens) get their own copies.
         self.encoder = copy.deepcopy(self.engine.tokenizer)
-        self.token_decoder = copy.deepcopy(self.engine.tokenizer)
+        self.responses = ResponseBuilder(copy.deepcopy(self.engine.tokenizer))
         self.vocab_size = len(self.encoder)
-        self._token_cache: dict[int, str] = {}
-        self._token_lock = threading.Lock()
         self.model_name = args["model_name"]
         self._grammar_lock = threading.Lock()
         self.metrics = None
@@ -178,7 +147,7 @@ class TritonPythonModel:
                                         on_unhealthy=self._on_unhealthy)
         self.streamer = ResponseStreamer(self._send, cfg.options.sender_threads)
         path = os.environ.get("LOOM_TIMING_LOG")
-        self.timing_log = _TimingLog(path) if path else None
+        self.timing_log = TimingLog(path) if path else None
         # Everything loaded so far (torch, transformers, the weights' Python objects) lives as long as the model:
         # keep it out of the garbage collector's full passes, which otherwise stall a step for ~0.5 s now and then.
         gc.collect()
@@ -225,7 +194,7 @@ class TritonPythonModel:
             prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as loom.engine.llm does
             if not prompt_ids:
                 raise RequestError("text_input", "the prompt encodes to no tokens")
-        ctx = _Ctx(sender, parsed, prompt_ids, t_arrival=t_arrival, t_tokenized=time.monotonic())
+        ctx = _Ctx(parsed, prompt_ids, t_arrival=t_arrival, t_tokenized=time.monotonic(), sender=sender)
         if self.timing_log is not None:
             ctx.request_id = request.request_id()
         on_output = self.streamer.open(ctx, parsed.stream)
@@ -305,87 +274,7 @@ class TritonPythonModel:
             self.timing_log.write(ctx, next((d.timing for d in ds if d.timing is not None), None), time.monotonic())
 
     def _tensors(self, ctx: _Ctx, ds: list[RequestDelta]) -> list:
-        """vllm_backend's outputs: one element per completion (n), each the completion's delta since the last
-        response (the whole text when not streaming); num_input_tokens once."""
-        p = ctx.parsed
-        n = p.params.n
-        by_index = {d.index: d for d in ds}
-        deltas = [by_index.get(i) for i in range(n)]
-        for i, d in enumerate(deltas):
-            if d is not None:
-                ctx.cumulative[i] = d.cumulative_logprob
-                if d.finish_reason is not None:
-                    ctx.reasons[i] = d.finish_reason
-        prefix = ""
-        if not p.exclude_input_in_output:  # only non-streamed requests get here (vllm_backend semantics)
-            prefix = p.prompt if p.prompt is not None else self.token_decoder.decode(ctx.prompt_ids)
-        texts = [(prefix + (d.text if d is not None else "")).encode("utf-8") for d in deltas]
-        out = [pb_utils.Tensor("text_output", np.array(texts, dtype=np.object_))]
-        if p.ids_mode:  # n == 1 here
-            ids = deltas[0].token_ids if deltas[0] is not None else []
-            if not p.exclude_input_in_output:
-                ids = ctx.prompt_ids + ids
-            out.append(pb_utils.Tensor("output_ids", np.array(ids, dtype=np.int32)))
-        r = p.returns
-        if r.finish_reason:
-            reasons = [str(ctx.reasons.get(i)).encode() for i in range(n)]
-            out.append(pb_utils.Tensor("finish_reason", np.array(reasons, dtype=np.object_)))
-        if r.cumulative_logprob:
-            cum = [ctx.cumulative.get(i, 0.0) for i in range(n)]
-            out.append(pb_utils.Tensor("cumulative_logprob", np.array(cum, dtype=np.float32)))
-        if r.logprobs:
-            lps = [self._logprobs_json(d.logprobs if d is not None else ([] if p.params.logprobs is not None else None))
-                   .encode() for d in deltas]
-            out.append(pb_utils.Tensor("logprobs", np.array(lps, dtype=np.object_)))
-        if r.num_input_tokens:
-            num_in = next((d.num_prompt_tokens for d in ds), 0)
-            out.append(pb_utils.Tensor("num_input_tokens", np.array([num_in], dtype=np.uint32)))
-        if r.num_output_tokens:
-            counts = [len(d.token_ids) if d is not None else 0 for d in deltas]
-            out.append(pb_utils.Tensor("num_output_tokens", np.array(counts, dtype=np.uint32)))
-        plp = next((d.prompt_logprobs for d in ds if d.prompt_logprobs is not None), None)
-        if plp is not None:  # asked for with prompt_logprobs; sent once, with the first token
-            out.append(pb_utils.Tensor("prompt_logprobs", np.array([self._prompt_logprobs_json(plp).encode()],
-                                                                   dtype=np.object_)))
-        return out
-
-    def _token_text(self, tid: int) -> str:
-        s = self._token_cache.get(tid)
-        if s is None:
-            with self._token_lock:  # sender threads share one tokenizer copy
-                s = self._token_cache[tid] = self.token_decoder.decode([tid])
-        return s
-
-    def _logprobs_json(self, logprobs) -> str:
-        # vllm_backend's format: one {token_id: {logprob, rank, decoded_token}} per generated token.
-        if logprobs is None:
-            return "null"
-        items = []
-        for tl in logprobs:
-            entry = {}
-            for rank, (tid, lp) in enumerate(tl.top, start=1):
-                entry[str(tid)] = {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tid)}
-            if str(tl.token_id) not in entry:  # sampled token outside the top-n: rank is a lower bound
-                rank = 1 + sum(1 for _, lp in tl.top if lp > tl.logprob)
-                entry = {str(tl.token_id): {"logprob": tl.logprob, "rank": rank,
-                                            "decoded_token": self._token_text(tl.token_id)}, **entry}
-            items.append(entry)
-        return json.dumps(items)
-
-    def _prompt_logprobs_json(self, entries) -> str:
-        """vLLM's prompt_logprobs: per prompt token null (the first) or {token_id: {logprob, rank, decoded_token}}
-        with the prompt token (its exact rank) and the top-n."""
-        items = []
-        for tl in entries:
-            if tl is None:
-                items.append(None)
-                continue
-            entry = {str(tl.token_id): {"logprob": tl.logprob, "rank": tl.rank,
-                                        "decoded_token": self._token_text(tl.token_id)}}
-            for rank, (tid, lp) in enumerate(tl.top, start=1):
-                entry.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": self._token_text(tid)})
-            items.append(entry)
-        return json.dumps(items)
+        return [pb_utils.Tensor(name, array) for name, array in self.responses.outputs(ctx, ds)]
 
     def finalize(self):
         """Fail what is still in flight ("server: the model is shutting down"), stop the loop, the senders and
