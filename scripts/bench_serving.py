@@ -69,7 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--input-len-range", type=float, default=0.5,
                     help="prompt tokens uniform in [len*(1-r), len*(1+r)] (0 = fixed)")
     ap.add_argument("--output-len", type=int, default=64, help="mean output tokens (EOS ignored)")
-    ap.add_argument("--output-len-range", type=float, default=0.5, help="output tokens uniform in [len*(1-r), len*(1+r)]")
+    ap.add_argument("--output-len-range", type=float, default=0.5,
+                    help="output tokens uniform in [len*(1-r), len*(1+r)]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before each system's runs")
     ap.add_argument("--url", default=None, help="gRPC address of a running server (default: start one)")
@@ -78,14 +79,16 @@ def parse_args(argv=None):
     ap.add_argument("--http-url", default=None, help="HTTP address of that server (aiperf mode)")
     ap.add_argument("--model", default=MODEL_NAME, help="Triton model name")
     ap.add_argument("--model-repository", default=str(bc.REPO_ROOT / "model_repository"),
-                    help="repository holding the model folder (copied; its adapter_roots is pointed at the bench adapters)")
+                    help="repository holding the model folder "
+                         "(copied; its adapter_roots is pointed at the bench adapters)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config.pbtxt parameter for this run (both server and offline), repeatable")
     ap.add_argument("--no-offline", action="store_true", help="skip the in-process engine comparison")
     ap.add_argument("--lora-concurrency", type=int, default=16)
     ap.add_argument("--num-adapters", type=int, default=32)
     ap.add_argument("--adapter-rank", type=int, default=8)
-    ap.add_argument("--adapter-root", default=None, help="use these adapters (names = sub-folders) instead of making some")
+    ap.add_argument("--adapter-root", default=None,
+                    help="use these adapters (names = sub-folders) instead of making some")
     ap.add_argument("--aiperf-concurrency", type=int, default=4)
     ap.add_argument("--aiperf-requests", type=int, default=40)
     ap.add_argument("--aiperf-isl", type=int, default=64)
@@ -156,9 +159,11 @@ def summarize_run(results: list[Result], reqs: list[Req]) -> dict:
     dur = max(t1 - t0, 1e-9)
     short = sum(1 for r in ok if r.num_tokens != reqs[r.idx].max_tokens)
     errors = [r.error for r in results if r.error is not None]
-    return {"requests": len(results), "ok": len(ok), "errors": len(errors), "first_error": errors[0] if errors else None,
+    return {"requests": len(results), "ok": len(ok), "errors": len(errors),
+            "first_error": errors[0] if errors else None,
             "wrong_token_count": short, "output_tokens": tokens, "duration_s": dur, "output_tok_s": tokens / dur,
-            "req_s": len(ok) / dur, "ttft_s": bc.summarize(ttft), "itl_s": bc.summarize(itl), "e2e_s": bc.summarize(e2e),
+            "req_s": len(ok) / dur, "ttft_s": bc.summarize(ttft), "itl_s": bc.summarize(itl),
+            "e2e_s": bc.summarize(e2e),
             "per_request": [{"ttft": r.chunks[0][0] - r.t_send if r.chunks else None, "e2e": r.t_end - r.t_send,
                              "tokens": r.num_tokens, "error": r.error} for r in results]}
 
@@ -694,7 +699,8 @@ def main(argv=None) -> int:
 
         def one(label: str, reqs: list[Req], conc: int | None, rate: float | None) -> dict:
             bc.progress(f"  {label}: triton ({len(reqs)} requests)")
-            tri = summarize_run(run_triton(url, args.model, reqs, conc, rate, args.seed, args.request_timeout, label), reqs)
+            tri = summarize_run(run_triton(url, args.model, reqs, conc, rate, args.seed, args.request_timeout, label),
+                                reqs)
             entry = {"triton": tri, "num_requests": len(reqs), "concurrency": conc, "rate": rate,
                      "prompt_tokens_mean": sum(r.prompt_len for r in reqs) / len(reqs),
                      "output_tokens_mean": sum(r.max_tokens for r in reqs) / len(reqs)}
@@ -723,7 +729,8 @@ def main(argv=None) -> int:
                 text += "\n\nratios\n" + bc.table(RATIO_HEADERS, ratios, 2)
             return text
 
-        lens = f"prompt ~{args.input_len} tokens (range {args.input_len_range}), output ~{args.output_len} (range {args.output_len_range})"
+        lens = (f"prompt ~{args.input_len} tokens (range {args.input_len_range}), "
+                f"output ~{args.output_len} (range {args.output_len_range})")
         if "sweep" in modes:
             bc.progress("sweep: " + ", ".join(f"c={c}" for c in args.concurrency))
             entries = {}
@@ -772,12 +779,14 @@ def main(argv=None) -> int:
                 "no adapter": [Req(r.text, r.prompt_len, r.max_tokens, None) for r in base],
                 "one adapter": [Req(r.text, r.prompt_len, r.max_tokens, adapter_names[0]) for r in base],
                 f"{len(adapter_names)} adapters": [Req(r.text, r.prompt_len, r.max_tokens,
-                                                       adapter_names[i % len(adapter_names)]) for i, r in enumerate(base)],
+                                                       adapter_names[i % len(adapter_names)])
+                                                   for i, r in enumerate(base)],
             }
             entries = {label: one(label, reqs, c, None) for label, reqs in variants.items()}
             data["runs"]["lora"] = {"adapter_load_s": load_s, "num_adapters": len(adapter_names),
                                     "rank": args.adapter_rank, "concurrency": c, "entries": entries}
-            report.append(table_for(f"multi-LoRA at concurrency {c}, {n} requests, rank {args.adapter_rank} q/v adapters "
+            report.append(table_for(f"multi-LoRA at concurrency {c}, {n} requests, "
+                                    f"rank {args.adapter_rank} q/v adapters "
                                     f"(loading all {len(adapter_names)} took {load_s:.1f}s, untimed), {lens}",
                                     entries, base_key="no adapter"))
         if "waterfall" in modes:
@@ -787,7 +796,8 @@ def main(argv=None) -> int:
                 raise RuntimeError("aiperf mode needs the server's HTTP address (--http-url)")
             res = run_aiperf(http_url, args.model, model_dir, args, work)
             # our generator on the same load: fixed lengths, same concurrency and count
-            reqs = make_workload(tok, args.aiperf_requests, args.aiperf_isl, 0.0, args.aiperf_osl, 0.0, args.seed + 3000)
+            reqs = make_workload(tok, args.aiperf_requests, args.aiperf_isl, 0.0, args.aiperf_osl, 0.0,
+                                 args.seed + 3000)
             warm(reqs)
             ours = summarize_run(run_triton(url, args.model, reqs, args.aiperf_concurrency, None, args.seed,
                                             args.request_timeout, "ours"), reqs)
@@ -807,7 +817,8 @@ def main(argv=None) -> int:
                 rows.append([metric, theirs, ours_val, f"{bc.ratio(ours_val, theirs):.2f}"])
             data["runs"]["aiperf"] = {"aiperf": res, "ours": ours}
             report.append(f"aiperf {AIPERF_VERSION} vs this script, concurrency {args.aiperf_concurrency}, "
-                          f"{args.aiperf_requests} requests, isl {args.aiperf_isl}, osl {args.aiperf_osl} (HTTP vs gRPC)\n"
+                          f"{args.aiperf_requests} requests, isl {args.aiperf_isl}, osl {args.aiperf_osl} "
+                          "(HTTP vs gRPC)\n"
                           + (res["console_table"] + "\n\n" if res["console_table"] else "")
                           + bc.table(["metric", "aiperf", "ours", "ours / aiperf"], rows, 1))
     finally:

@@ -18,7 +18,8 @@ from loom.engine.sampling_params import SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kv-blocks", type=int, default=6, help="KV cache size in blocks of 16 tokens (small: forces preemption)")
+    ap.add_argument("--kv-blocks", type=int, default=6,
+                    help="KV cache size in blocks of 16 tokens (small: forces preemption)")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
 
@@ -37,10 +38,13 @@ def main() -> None:
     outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
     dt = time.perf_counter() - t0
     for q, o in zip(questions, outs):
-        print(f"Q: {q}\nA: {o.text.strip()!r}  [{o.finish_reason}, {len(o.token_ids)} tokens, {o.num_cached_tokens} prompt tokens from cache]\n")
+        print(f"Q: {q}\nA: {o.text.strip()!r}  [{o.finish_reason}, {len(o.token_ids)} tokens, "
+              f"{o.num_cached_tokens} prompt tokens from cache]\n")
     s = llm.engine.stats()
-    print(f"{sum(len(o.token_ids) for o in outs)} tokens in {dt:.1f}s; KV cache {s.kv_blocks_total} blocks of 16 tokens")
-    print(f"prefix cache: {s.prefix_hit_tokens} of {s.prefix_query_tokens} prompt tokens hit ({s.prefix_hit_rate:.0%}); "
+    print(f"{sum(len(o.token_ids) for o in outs)} tokens in {dt:.1f}s; "
+          f"KV cache {s.kv_blocks_total} blocks of 16 tokens")
+    print(f"prefix cache: {s.prefix_hit_tokens} of {s.prefix_query_tokens} prompt tokens hit "
+          f"({s.prefix_hit_rate:.0%}); "
           f"preemptions: {s.num_preemptions}; KV blocks used after the run: {s.kv_blocks_used}")
     solo = [llm.generate([p], params)[0].text for p in prompts]
     same = sum(a == b.text for a, b in zip(solo, outs))

@@ -75,7 +75,8 @@ def train(name: str, model_dir: str, out: Path, steps: int, seed: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(REPO / "model_repository" / "loom_smollm2" / "adapters"), help="adapter root to write into")
+    ap.add_argument("--out", default=str(REPO / "model_repository" / "loom_smollm2" / "adapters"),
+                    help="adapter root to write into")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The test command (README): set up what is missing (venv, packages, default model), then run pytest.
+# The test command (README): set up what is missing (venv, packages, default model), lint, then run pytest.
 #   bash scripts/test.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# ruff comes with the test extras (pyproject.toml); a lint error fails the run before any test starts.
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q "$@"

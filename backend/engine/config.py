@@ -54,27 +54,39 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(name, msg)
 
-        check(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
-        check(isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128), "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
-        check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes >= 0, "kv_cache_memory_bytes", "must be an integer >= 0 (0 = automatic)")
-        check(0.05 <= self.gpu_memory_utilization <= 0.99, "gpu_memory_utilization", f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
-        check(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096, "max_num_seqs", f"must be in [1, 4096], got {self.max_num_seqs!r}")
-        check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be an integer >= 1")
-        check(isinstance(self.max_model_len, int) and self.max_model_len >= 0, "max_model_len", "must be an integer >= 0 (0 = the model's)")
-        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 256, "max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank!r}")
-        check(isinstance(self.lora_memory_bytes, int) and self.lora_memory_bytes >= 0, "lora_memory_bytes", "must be an integer >= 0")
+        check(self.dtype == "auto" or self.dtype in _DTYPES,
+              "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+              "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        check(isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
+              "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes >= 0,
+              "kv_cache_memory_bytes", "must be an integer >= 0 (0 = automatic)")
+        check(0.05 <= self.gpu_memory_utilization <= 0.99,
+              "gpu_memory_utilization", f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        check(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096,
+              "max_num_seqs", f"must be in [1, 4096], got {self.max_num_seqs!r}")
+        check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "must be an integer >= 1")
+        check(isinstance(self.max_model_len, int) and self.max_model_len >= 0,
+              "max_model_len", "must be an integer >= 0 (0 = the model's)")
+        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 256,
+              "max_lora_rank", f"must be in [1, 256], got {self.max_lora_rank!r}")
+        check(isinstance(self.lora_memory_bytes, int) and self.lora_memory_bytes >= 0,
+              "lora_memory_bytes", "must be an integer >= 0")
         check(isinstance(self.lora_expert_memory_bytes, int) and self.lora_expert_memory_bytes >= 0,
               "lora_expert_memory_bytes", "must be an integer >= 0 (0 = no LoRA on MoE experts)")
         check(isinstance(self.async_scheduling, bool), "async_scheduling", "must be true or false")
-        check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0, "max_host_adapters", "must be an integer >= 0")
+        check(isinstance(self.max_host_adapters, int) and self.max_host_adapters >= 0,
+              "max_host_adapters", "must be an integer >= 0")
         check(isinstance(self.cpu_threads, int) and 0 <= self.cpu_threads <= 1024, "cpu_threads",
               f"must be in [0, 1024] (0 = automatic), got {self.cpu_threads!r}")
         check(isinstance(self.cpu_compile, bool), "cpu_compile", f"must be true or false, got {self.cpu_compile!r}")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be true or false, got {self.cuda_graphs!r}")
         check(isinstance(self.cuda_graph_max_batch, int) and 0 <= self.cuda_graph_max_batch <= 4096,
               "cuda_graph_max_batch", f"must be in [0, 4096] (0 = automatic), got {self.cuda_graph_max_batch!r}")
-        check(isinstance(self.adapter_roots, list) and all(isinstance(r, str) for r in self.adapter_roots), "adapter_roots", "must be a list of directory paths")
+        check(isinstance(self.adapter_roots, list) and all(isinstance(r, str) for r in self.adapter_roots),
+              "adapter_roots", "must be a list of directory paths")
         for r in self.adapter_roots:
             check(os.path.isdir(r), "adapter_roots", f"{r!r} is not an existing directory")
 

@@ -89,7 +89,8 @@ class LLMEngine:
         self.model_dir = model_dir
         self.runner = ModelRunner(config, model_dir)
         self.tokenizer = None
-        has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+        has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
         if load_tokenizer and has_tokenizer:  # test models made without one take token ids only
             from transformers import AutoTokenizer
 

@@ -360,11 +360,13 @@ class SamplingBatch:
         out_lens = [len(o) for o in output_token_ids]
         # one host tensor per dtype, one copy each to the device
         f = torch.tensor(
-            [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params],
+            [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+             for p in params],
             dtype=torch.float32,
         )
         i = torch.tensor(
-            [(p.top_k, s, n, p.logprobs if p.logprobs is not None else 0, p.min_tokens) for p, s, n in zip(params, seeds, out_lens)],
+            [(p.top_k, s, n, p.logprobs if p.logprobs is not None else 0, p.min_tokens)
+             for p, s, n in zip(params, seeds, out_lens)],
             dtype=torch.int64,
         )
         temp, top_p, min_p, rep, pres, freq = f.unbind(1)
@@ -470,7 +472,8 @@ class Sampler:
             def g(t: Tensor) -> Tensor:
                 return t if rows is None else t.index_select(0, rows)
 
-            sub = apply_penalties(sub, b.prompt_ids, b.output_ids, g(b.repetition_penalty), g(b.presence_penalty), g(b.frequency_penalty))
+            sub = apply_penalties(sub, b.prompt_ids, b.output_ids,
+                                  g(b.repetition_penalty), g(b.presence_penalty), g(b.frequency_penalty))
             x = sub if rows is None else x.index_copy(0, rows, sub)
         if b.min_tokens_rows is not None:
             if x is logits:

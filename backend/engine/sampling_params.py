@@ -81,23 +81,30 @@ class SamplingParams:
         def is_num(v) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
-        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        check(is_int(self.max_tokens) and self.max_tokens >= 1,
+              "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        check(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", f"must be a number in [0, 100], got {self.temperature!r}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        check(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+              "temperature", f"must be a number in [0, 100], got {self.temperature!r}")
+        check(is_int(self.top_k) and self.top_k >= 0,
+              "top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        check(is_num(self.top_p) and 0.0 < self.top_p <= 1.0,
+              "top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0,
+              "min_p", f"must be a number in [0, 1], got {self.min_p!r}")
         check(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty",
               f"must be a number in (0, 10], got {self.repetition_penalty!r}")
         check(is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
               f"must be a number in [-2, 2], got {self.presence_penalty!r}")
         check(is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
               f"must be a number in [-2, 2], got {self.frequency_penalty!r}")
-        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
+              "seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         check(isinstance(self.stop, list) and len(self.stop) <= MAX_STOP_ITEMS
               and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-              "stop", f"must be a list of at most {MAX_STOP_ITEMS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+              "stop", f"must be a list of at most {MAX_STOP_ITEMS} non-empty strings "
+                      f"of at most {MAX_STOP_STRING_CHARS} characters")
         check(isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) <= MAX_STOP_ITEMS
               and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               "stop_token_ids", f"must be a list of at most {MAX_STOP_ITEMS} non-negative token ids")

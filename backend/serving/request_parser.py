@@ -254,7 +254,8 @@ def load_parameters(sampling_parameters: Any, request_parameters: Any, max_bytes
         if k in _RESERVED_PARAMS or k.startswith("triton_") or k in ("adapter_op", "lora_path"):
             continue
         if k in merged and merged[k] != v:
-            raise RequestError(k, f"given both in sampling_parameters ({merged[k]!r}) and as a request parameter ({v!r})")
+            raise RequestError(k, f"given both in sampling_parameters ({merged[k]!r}) "
+                                  f"and as a request parameter ({v!r})")
         merged[k] = v
     return merged
 
@@ -362,7 +363,8 @@ def _optional_bool(inputs: Mapping[str, Any], name: str) -> bool | None:
     return None if arr is None else to_bool(name, _scalar(name, arr))
 
 
-def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, limits: Limits | None = None) -> ParsedRequest:
+def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None,
+                  limits: Limits | None = None) -> ParsedRequest:
     """`inputs`: input name -> numpy array as received (absent inputs missing or None)."""
     limits = limits or Limits()
     sp = inputs.get("sampling_parameters")
@@ -408,7 +410,8 @@ def parse_request(inputs: Mapping[str, Any], request_parameters: Any = None, lim
     stream = bool(_optional_bool(inputs, "stream"))
     exclude = _optional_bool(inputs, "exclude_input_in_output")
     if stream and exclude is False:
-        raise RequestError("exclude_input_in_output", "false is not allowed when streaming (the prompt is never streamed)")
+        raise RequestError("exclude_input_in_output",
+                           "false is not allowed when streaming (the prompt is never streamed)")
     # vllm_backend: the prompt is prepended to non-streamed output unless excluded.
     exclude_input = True if stream else bool(exclude)
 

@@ -60,7 +60,8 @@ def test_non_streaming_prepends_prompt_unless_excluded(stream, offline):
     ref = offline_text(offline, PROMPTS[1]).text
     results, err = stream.collect(stream.send(make_inputs(PROMPTS[1], GREEDY, stream=False)))
     assert err is None and len(results) == 1 and text_of(results) == PROMPTS[1] + ref
-    results, err = stream.collect(stream.send(make_inputs(PROMPTS[1], GREEDY, stream=False, exclude_input_in_output=True)))
+    results, err = stream.collect(
+        stream.send(make_inputs(PROMPTS[1], GREEDY, stream=False, exclude_input_in_output=True)))
     assert err is None and len(results) == 1 and text_of(results) == ref
 
 
@@ -68,7 +69,8 @@ def test_every_return_flag_and_logprobs(stream, offline):
     ref = offline_text(offline, PROMPTS[2], max_tokens=8, logprobs=2)
     flags = {f"return_{f}": True for f in ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
                                           "num_output_tokens")}
-    rid = stream.send(make_inputs(PROMPTS[2], {"max_tokens": 8, "temperature": 0, "logprobs": 2, "ignore_eos": True}, **flags))
+    rid = stream.send(make_inputs(PROMPTS[2], {"max_tokens": 8, "temperature": 0, "logprobs": 2, "ignore_eos": True},
+                                  **flags))
     results, err = stream.collect(rid)
     assert err is None
     n_out = sum(int(r.as_numpy("num_output_tokens")[0]) for r in results)
@@ -92,7 +94,8 @@ def test_stop_string(stream, offline):
     ref = offline_text(offline, PROMPTS[3], max_tokens=24).text
     words = ref.split()
     stop = words[len(words) // 2]
-    rid = stream.send(make_inputs(PROMPTS[3], {"max_tokens": 24, "temperature": 0, "stop": [stop]}, return_finish_reason=True))
+    rid = stream.send(make_inputs(PROMPTS[3], {"max_tokens": 24, "temperature": 0, "stop": [stop]},
+                                  return_finish_reason=True))
     results, err = stream.collect(rid)
     assert err is None
     assert text_of(results) == ref[: ref.index(stop)]
@@ -211,7 +214,8 @@ def test_metrics_consistent_with_requests(stream, server):
     assert delta("loom_prompt_tokens_total") == delta("loom_request_prompt_tokens_sum") > 0
     snap = scrape(server)
     assert metric(snap, "loom_kv_blocks_total") > 0 and metric(snap, "loom_num_requests_waiting") == 0
-    for name in ("loom_prefix_cache_hit_rate", "loom_resident_adapters", "loom_num_preemptions", "loom_kv_cache_usage_perc"):
+    for name in ("loom_prefix_cache_hit_rate", "loom_resident_adapters", "loom_num_preemptions",
+                 "loom_kv_cache_usage_perc"):
         assert any(k.startswith(name) for k in snap), name
 
 

@@ -35,7 +35,8 @@ CORPUS = [
 ] * 20
 
 # Characters that the small vocabularies mostly do not contain whole: they get split over tokens.
-MULTIBYTE = list("éèçñüßÅø€£¥中文字東京都日本語한국어ðŁ") + ["😀", "🎉", "🚀", "👍🏽", "🇺🇸", "👨‍👩‍👧", "🤖", "𝔘", "ﬁ", "\u0301"]
+MULTIBYTE = (list("éèçñüßÅø€£¥中文字東京都日本語한국어ðŁ")
+             + ["😀", "🎉", "🚀", "👍🏽", "🇺🇸", "👨‍👩‍👧", "🤖", "𝔘", "ﬁ", "\u0301"])
 WORDS = ["hello", "world", "the", "fox", "dog", "stop", "abc", "ab", "x", "###", "café", "\n", "  ", "42", "."]
 
 
@@ -63,7 +64,8 @@ def _sentencepiece_style(variant: str) -> PreTrainedTokenizerFast:
                                   show_progress=False)
     tok.train_from_iterator(CORPUS, trainer)
     d = json.loads(tok.to_str())
-    pieces = [p for p, _ in sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1]) if p not in ("<unk>", "<s>", "</s>")]
+    pieces = [p for p, _ in sorted(d["model"]["vocab"].items(), key=lambda kv: kv[1])
+              if p not in ("<unk>", "<s>", "</s>")]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
@@ -73,12 +75,15 @@ def _sentencepiece_style(variant: str) -> PreTrainedTokenizerFast:
     for added in d["added_tokens"]:
         added["id"] = vocab[added["content"]]
     if variant == "llama2":  # HF's Llama-2 tokenizer.json (legacy): normalizer + Replace/ByteFallback/Fuse/Strip
-        d["normalizer"] = json.loads(normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]).__getstate__())
+        d["normalizer"] = json.loads(
+            normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]).__getstate__())
         d["pre_tokenizer"] = None
         d["decoder"] = json.loads(decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]).__getstate__())
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        ).__getstate__())
     else:  # Metaspace pre-tokenizer and decoder (non-legacy converters)
-        d["pre_tokenizer"] = json.loads(pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False).__getstate__())
+        d["pre_tokenizer"] = json.loads(
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False).__getstate__())
         d["decoder"] = json.loads(decoders.Sequence(
             [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")]).__getstate__())
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(d)),
@@ -362,7 +367,8 @@ def test_stop_string_spanning_token_boundaries(byte_level):
 
 
 def test_stop_string_include_in_output(byte_level):
-    detok, deltas = _run_pieces(byte_level, ["hello a", "b", "c then more"], stop=["abc"], include_stop_str_in_output=True)
+    detok, deltas = _run_pieces(byte_level, ["hello a", "b", "c then more"], stop=["abc"],
+                                include_stop_str_in_output=True)
     assert deltas[-1].stopped and detok.output_text == "hello abc"
     # With the stop string included, nothing needs holding back.
     assert [d.text for d in deltas] == ["hello a", "b", "c"]
@@ -419,7 +425,8 @@ def test_stop_string_inside_split_multibyte_character(byte_level):
 
 def test_stop_string_on_special_token_text(byte_level):
     tok = byte_level
-    ids = tok.encode("answer", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")] + tok.encode(" junk")
+    ids = (tok.encode("answer", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+           + tok.encode(" junk"))
     detok, deltas = _stream(tok, [[t] for t in ids], _params(stop=["<|im_end|>"], skip_special_tokens=False))
     assert deltas[-1].stopped and detok.output_text == "answer"
     detok, deltas = _stream(tok, [[t] for t in ids], _params(stop=["<|im_end|>"], skip_special_tokens=True))
@@ -497,7 +504,8 @@ def test_stop_strings_random_against_reference(any_tok, include):
 
 # ---------------------------------------------------------------------------------------- real tokenizer
 def test_smollm2_tokenizer():
-    tok = PreTrainedTokenizerFast.from_pretrained(str(SMOLLM2_DIR))  # what AutoTokenizer resolves to, minus its import cost
+    # what AutoTokenizer resolves to, minus its import cost
+    tok = PreTrainedTokenizerFast.from_pretrained(str(SMOLLM2_DIR))
     assert len(tok) > 40000
     rng = random.Random(5)
     for skip in (True, False):

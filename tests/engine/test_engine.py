@@ -30,7 +30,8 @@ def test_seeded_sampling_independent_of_batch(llm):
            for t, s, m, r in ((1.0, 1, 5, 1.0), (0.0, None, 30, 1.2), (0.5, 3, 12, 1.0), (1.3, None, 25, 1.1))]
     outs = llm.generate(others[:2] + [prompt] + others[2:], mix[:2] + [p] + mix[2:])
     assert outs[2].token_ids == alone
-    other_seed = llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=8, max_tokens=20, ignore_eos=True))
+    other_seed = llm.generate([prompt], SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=8, max_tokens=20,
+                                                       ignore_eos=True))
     assert other_seed[0].token_ids != alone
     assert_no_leak(llm.engine)
 
@@ -62,7 +63,8 @@ def test_token_level_stops_and_finish_reasons(llm):
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]))[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
     # min_tokens suppresses the stop token until reached: generation continues past it
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_tok]))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=first + 2,
+                                                stop_token_ids=[stop_tok]))[0]
     assert len(out.token_ids) >= first + 2 and stop_tok not in out.token_ids[:first + 2]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
     assert out.finish_reason == "length" and out.token_ids == free.token_ids[:3]
@@ -80,7 +82,8 @@ def test_abort_frees_blocks_at_once(llm):
     eng.abort_request("r1")
     assert eng.block_manager.num_used_blocks == 0
     outs = eng.step()
-    assert sorted((o.request_id, o.finished, o.finish_reason) for o in outs) == [("r0", True, "abort"), ("r1", True, "abort")]
+    assert sorted((o.request_id, o.finished, o.finish_reason) for o in outs) == [("r0", True, "abort"),
+                                                                                  ("r1", True, "abort")]
     assert_no_leak(eng)
 
 
@@ -139,7 +142,8 @@ def test_step_fault_fails_only_that_step(llm, monkeypatch):
 
 def test_stop_strings_on_default_model(default_model_dir):
     llm = LLM(default_model_dir, kv_cache_memory_bytes=64 << 20)
-    free = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    free = llm.generate(["The capital of France is"],
+                        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     assert free.text.startswith(" Paris")
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=12, stop=["ris"]))[0]
     assert out.finish_reason == "stop" and out.text == free.text[:free.text.index("ris")]

@@ -81,7 +81,8 @@ def _to_i64(z: int) -> int:
 
 def test_mix64_matches_uint64_reference():
     rng = random.Random(1)
-    vals = [0, 1, 2**63 - 1, 12345] + [rng.randrange(2**63) for _ in range(200)] + [-rng.randrange(2**63) for _ in range(50)]
+    vals = ([0, 1, 2**63 - 1, 12345] + [rng.randrange(2**63) for _ in range(200)]
+            + [-rng.randrange(2**63) for _ in range(50)])
     got = mix64(torch.tensor(vals, dtype=torch.int64)).tolist()
     assert got == [_to_i64(_mix64_ref(v)) for v in vals]
 
@@ -216,7 +217,8 @@ def _top_p_ref(probs: list[float], p: float) -> set[int]:
     return kept
 
 
-@pytest.mark.parametrize("top_p,expected", [(0.3, {2}), (0.5, {2, 4}), (0.7, {2, 4, 0}), (0.9, {2, 4, 0, 5}), (0.99, {0, 1, 2, 3, 4, 5})])
+@pytest.mark.parametrize("top_p,expected", [(0.3, {2}), (0.5, {2, 4}), (0.7, {2, 4, 0}), (0.9, {2, 4, 0, 5}),
+                                            (0.99, {0, 1, 2, 3, 4, 5})])
 def test_top_p_hand_made(top_p, expected):
     probs = [0.15, 0.04, 0.4, 0.06, 0.25, 0.1]
     logits = torch.tensor(probs).log()[None]
@@ -263,7 +265,8 @@ def test_top_k_top_p_against_reference_random():
     # top-k only path (top_p None)
     out = apply_top_k_top_p(logits, ks, None, top_k_max=int(ks.max()))
     for r in range(R):
-        assert set(torch.nonzero(out[r] > float("-inf")).flatten().tolist()) == _top_k_top_p_ref(logits[r], int(ks[r]), 1.0)
+        kept = set(torch.nonzero(out[r] > float("-inf")).flatten().tolist())
+        assert kept == _top_k_top_p_ref(logits[r], int(ks[r]), 1.0)
 
 
 def test_top_p_sampling_distribution_is_renormalised():
@@ -286,7 +289,8 @@ def test_min_p_hand_made():
     tokens = sample_many(probs.log(), SP(temperature=T, min_p=0.05), 20000)
     tp = torch.softmax(probs.log().double() / T, -1)
     exp = torch.where(tp >= 0.05 * tp.max(), tp, torch.zeros_like(tp))
-    assert set(torch.nonzero(exp).flatten().tolist()) == {0, 1, 3}  # tempered ratios 1, .16, .09 kept; .032, .01, .0004 not
+    # tempered ratios 1, .16, .09 kept; .032, .01, .0004 not
+    assert set(torch.nonzero(exp).flatten().tolist()) == {0, 1, 3}
     check_distribution(tokens, exp / exp.sum())
 
 
@@ -339,13 +343,15 @@ def test_apply_penalties_matches_loop():
     rep = [1.3, 0.8, 2.0, 1.0, 1.7, 1.1]
     pres = [0.5, -0.3, 0.0, 1.2, 0.0, -2.0]
     freq = [0.2, 0.7, 1.0, 0.0, -0.4, 0.3]
-    got = apply_penalties(logits, _pad(prompts, V), _pad(outputs, V), torch.tensor(rep), torch.tensor(pres), torch.tensor(freq))
+    got = apply_penalties(logits, _pad(prompts, V), _pad(outputs, V),
+                          torch.tensor(rep), torch.tensor(pres), torch.tensor(freq))
     ref = _penalties_loop(logits, prompts, outputs, rep, pres, freq)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     assert not torch.equal(got, logits)
     # without repetition penalty (prompt_ids None): only presence / frequency
     got2 = apply_penalties(logits, None, _pad(outputs, V), torch.ones(S), torch.tensor(pres), torch.tensor(freq))
-    torch.testing.assert_close(got2, _penalties_loop(logits, prompts, outputs, [1.0] * S, pres, freq), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got2, _penalties_loop(logits, prompts, outputs, [1.0] * S, pres, freq),
+                               rtol=0, atol=1e-6)
 
 
 def test_penalties_through_sampler_greedy():
@@ -390,7 +396,8 @@ def test_min_tokens_masks_stop_ids_until_reached():
     logits[:, 3] = 10.0  # eos
     logits[:, 4] = 9.0  # a stop token id
     logits[:, 8] = 8.0
-    params = [SP(temperature=0, min_tokens=3, stop_token_ids=[4])] * 3 + [SP(temperature=1.0, min_tokens=2, stop_token_ids=[4])] * 3
+    params = ([SP(temperature=0, min_tokens=3, stop_token_ids=[4])] * 3
+              + [SP(temperature=1.0, min_tokens=2, stop_token_ids=[4])] * 3)
     outputs = [[], [1, 1], [1, 1, 1], [], [1], [1, 1]]
     stops = [[3, 4]] * 6
     b = build(params, outputs=outputs, stops=stops, vocab=V)
@@ -438,7 +445,8 @@ def test_seeded_sampling_independent_of_batch(ti):
     prompt = [rng.randrange(V) for _ in range(30)]
     for seed, step in [(0, 0), (12345, 7), (2**62 + 3, 100)]:
         output = [rng.randrange(V) for _ in range(step)]
-        alone = Sampler()(target_logits[None].clone(), build([target], seeds=[seed], prompts=[prompt], outputs=[output], vocab=V))
+        alone = Sampler()(target_logits[None].clone(),
+                          build([target], seeds=[seed], prompts=[prompt], outputs=[output], vocab=V))
         # batch of 7: target at position ti+1, six other rows with other params, seeds and positions
         pos = (ti + 1) % 7
         params, seeds, prompts, outputs, stops = [], [], [], [], []
@@ -480,8 +488,9 @@ def test_logprobs_are_raw_and_topk_sorted():
     torch.manual_seed(7)
     S, V = 8, 700
     logits = torch.randn(S, V) * 3
-    params = [SP(temperature=0, logprobs=3), SP(temperature=0.5, logprobs=5), SP(logprobs=0), SP(top_k=5, repetition_penalty=1.5),
-              SP(temperature=2.0, top_p=0.5, logprobs=2), SP(temperature=0), SP(min_p=0.2, logprobs=1), SP(frequency_penalty=1.0)]
+    params = [SP(temperature=0, logprobs=3), SP(temperature=0.5, logprobs=5), SP(logprobs=0),
+              SP(top_k=5, repetition_penalty=1.5), SP(temperature=2.0, top_p=0.5, logprobs=2),
+              SP(temperature=0), SP(min_p=0.2, logprobs=1), SP(frequency_penalty=1.0)]
     outputs = [[int(logits[i].argmax())] * 3 for i in range(S)]
     b = build(params, outputs=outputs, vocab=V)
     assert b.max_logprobs == 5
@@ -511,4 +520,5 @@ def test_batch_flags_and_device_placement():
     b = build([SP(), SP(top_k=3)], vocab=V)
     assert b.top_k_top_p_rows.tolist() == [1] and not b.use_top_p
     b = build([SP(), SP(repetition_penalty=1.2), SP(presence_penalty=0.5)], outputs=[[1], [2, 3], []], vocab=V)
-    assert b.penalty_rows.tolist() == [1, 2] and b.prompt_ids.shape[0] == 2 and b.output_ids.tolist() == [[2, 3], [V, V]]
+    assert b.penalty_rows.tolist() == [1, 2] and b.prompt_ids.shape[0] == 2
+    assert b.output_ids.tolist() == [[2, 3], [V, V]]

@@ -38,7 +38,8 @@ def test_spec_from_config():
 
 
 def test_layout_matches_peft(base_dir, tmp_path):
-    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=1, r=4, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=1, r=4, alpha=16,
+                          target_modules=["q_proj", "v_proj", "down_proj"])
     w = _load(d)
     sd = _peft_state(d)
     assert w.rank == 4 and w.scaling == pytest.approx(16 / 4)
@@ -61,7 +62,8 @@ def test_layout_matches_peft(base_dir, tmp_path):
 
 
 def test_rslora_and_dtype(base_dir, tmp_path):
-    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=2, r=9, alpha=6, target_modules=["o_proj"], use_rslora=True)
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=2, r=9, alpha=6, target_modules=["o_proj"],
+                          use_rslora=True)
     w = _load(d, dtype=torch.bfloat16)
     assert w.scaling == pytest.approx(6 / math.sqrt(9))
     assert w.a["o_proj"].dtype == torch.bfloat16 and w.b["o_proj"].dtype == torch.bfloat16
@@ -71,7 +73,8 @@ def test_all_linear_and_regex_targets(base_dir, tmp_path):
     d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=3, r=2, alpha=2, target_modules="all-linear")
     w = _load(d)
     assert w.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    d = make_peft_adapter(base_dir, str(tmp_path / "b"), seed=3, r=2, alpha=2, target_modules=r".*\.1\.mlp\.(gate|up)_proj")
+    d = make_peft_adapter(base_dir, str(tmp_path / "b"), seed=3, r=2, alpha=2,
+                          target_modules=r".*\.1\.mlp\.(gate|up)_proj")
     w = _load(d)
     assert w.target_modules == ["gate_proj", "up_proj"]
     assert w.a["gate_up_proj"][0].abs().sum() == 0 and w.a["gate_up_proj"][1].abs().sum() > 0
@@ -95,7 +98,8 @@ def test_rank_and_alpha_pattern(base_dir, tmp_path):
 
 
 def test_layers_to_transform(base_dir, tmp_path):
-    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=5, r=3, alpha=3, target_modules=["k_proj"], layers_to_transform=[1])
+    d = make_peft_adapter(base_dir, str(tmp_path / "a"), seed=5, r=3, alpha=3, target_modules=["k_proj"],
+                          layers_to_transform=[1])
     w = _load(d)
     assert w.a["qkv_proj"][0].abs().sum() == 0 and w.a["qkv_proj"][1, 1].abs().sum() > 0
 
@@ -202,7 +206,8 @@ def test_refuse_inconsistent_files(tmp_path):
     _refused(_raw(tmp_path, "b", target_modules=["q_proj", "o_proj"], extra_config={"target_modules": ["q_proj"]}),
              "o_proj (layers [0, 1]) are not in target_modules")
     # target listed without weights
-    _refused(_raw(tmp_path, "c", extra_config={"target_modules": ["q_proj", "k_proj"]}), "k_proj (layers [0, 1])", "no weights")
+    _refused(_raw(tmp_path, "c", extra_config={"target_modules": ["q_proj", "k_proj"]}),
+             "k_proj (layers [0, 1])", "no weights")
     # A without B
     from safetensors.torch import load_file, save_file
 
@@ -258,7 +263,8 @@ def test_target_matching_equals_peft(tmp_path, form):
     base = make_tiny_llama(str(tmp_path / "base"), seed=0, layers=3)
     pm = get_peft_model(load_hf(base), LoraConfig(r=2, lora_alpha=4, **form))
     wrapped = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if hasattr(m, "lora_A")}
-    ours = {hf_module_name(layer, p) for layer in range(3) for p in SUPPORTED_PROJS if is_targeted(form, hf_module_name(layer, p))}
+    ours = {hf_module_name(layer, p) for layer in range(3) for p in SUPPORTED_PROJS
+            if is_targeted(form, hf_module_name(layer, p))}
     assert ours == wrapped
 
 
@@ -276,5 +282,6 @@ def test_dotted_list_targets_load_and_match_peft(tmp_path):
 
 def test_layer_selection_with_a_regex_target_refused_like_peft(tmp_path):
     for extra in ({"layers_to_transform": [0]}, {"layers_pattern": "layers"}):
-        _refused(_raw(tmp_path, f"x{len(extra)}{list(extra)[0]}", extra_config={"target_modules": "all-linear", **extra}),
+        _refused(_raw(tmp_path, f"x{len(extra)}{list(extra)[0]}",
+                      extra_config={"target_modules": "all-linear", **extra}),
                  "cannot be used when target_modules is a string")

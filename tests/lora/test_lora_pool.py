@@ -67,14 +67,17 @@ def test_pool_attach_write_read(tmp_path):
     assert spec.bytes_per_row(torch.float32) == 2 * (3 * 64 + 128 + 64 + 64 + 2 * 64 + 256 + 128 + 64) * 4
     model = holder_model(cfg)
     assert LoraModelSpec.from_model(model) == spec
-    pool = LoraPool(spec, LoraPool.capacity_for(spec, 20 * spec.bytes_per_row(torch.float32) + 5, torch.float32), "cpu", torch.float32)
+    pool = LoraPool(spec, LoraPool.capacity_for(spec, 20 * spec.bytes_per_row(torch.float32) + 5, torch.float32),
+                    "cpu", torch.float32)
     assert pool.capacity == 20
     pool.attach(model)
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert qkv.lora_a.shape == (3, 20, 64) and qkv.lora_b.shape == (20, 128)
     assert qkv.lora_a.data_ptr() == pool.a["qkv_proj"][1].data_ptr()
-    w1 = load_peft_adapter(write_raw_adapter(str(tmp_path / "a"), cfg, 1, 4, 8, ["q_proj", "down_proj"]), "a", spec, torch.float32, 64)
-    w2 = load_peft_adapter(write_raw_adapter(str(tmp_path / "b"), cfg, 2, 3, 8, ["o_proj", "v_proj"]), "b", spec, torch.float32, 64)
+    w1 = load_peft_adapter(write_raw_adapter(str(tmp_path / "a"), cfg, 1, 4, 8, ["q_proj", "down_proj"]),
+                           "a", spec, torch.float32, 64)
+    w2 = load_peft_adapter(write_raw_adapter(str(tmp_path / "b"), cfg, 2, 3, 8, ["o_proj", "v_proj"]),
+                           "b", spec, torch.float32, 64)
     # fill with garbage first: untargeted groups must be written as zeros
     for t in list(pool.a.values()) + list(pool.b.values()):
         t.fill_(7.0)
@@ -86,7 +89,8 @@ def test_pool_attach_write_read(tmp_path):
     assert a["o_proj"].abs().sum() == 0 and b["gate_up_proj"].abs().sum() == 0
     a, b = pool.read(6, 3)
     torch.testing.assert_close(a["o_proj"], w2.a["o_proj"])
-    assert (pool.a["qkv_proj"][:, :, 0:2] == 7).all() and (pool.a["qkv_proj"][:, :, 9:] == 7).all()  # other rows untouched
+    # other rows untouched
+    assert (pool.a["qkv_proj"][:, :, 0:2] == 7).all() and (pool.a["qkv_proj"][:, :, 9:] == 7).all()
     pool.move(6, 0, 3)
     a, b = pool.read(0, 3)
     torch.testing.assert_close(b["qkv_proj"], w2.b["qkv_proj"])

@@ -421,7 +421,8 @@ def test_build_lora_meta_grouping(root):
         assert meta.row_start_cpu[gi] == refs[n].row_start and meta.ranks_cpu[gi] == refs[n].rank
         assert meta.scalings_cpu[gi] == pytest.approx(refs[n].scaling)
     assert meta.token_indices.dtype == torch.int64 and meta.seg_starts.dtype == torch.int32
-    assert meta.row_start.dtype == torch.int32 and meta.ranks.dtype == torch.int32 and meta.scalings.dtype == torch.float32
+    assert meta.row_start.dtype == torch.int32 and meta.ranks.dtype == torch.int32
+    assert meta.scalings.dtype == torch.float32
     assert meta.max_rank == 3 and meta.max_seg_len == max(len(v) for v in expected.values())
     assert build_lora_meta([None, None], [3, 1], "cpu") is None
     reg.deactivate(extra)

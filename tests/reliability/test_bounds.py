@@ -33,7 +33,8 @@ CASES = [  # (id, inputs kwargs, request parameters, expected start of the error
                                "min_p": 0.0, "lora_name": None, "pad": None, **{f"k{i}": None for i in range(60)}}),
      None, "sampling_parameters: is"),
     ("request_params_size", dict(params={"max_tokens": 4}), {"stop": "x" * 600}, "parameters: is"),
-    ("request_timeout", dict(params={"request_timeout_s": 10}), None, "request_timeout_s: must be a number of seconds in (0, 5]"),
+    ("request_timeout", dict(params={"request_timeout_s": 10}), None,
+     "request_timeout_s: must be a number of seconds in (0, 5]"),
     ("kv_budget", dict(prompt=None, input_ids=list(range(100, 135))), None,
      "prompt: has 35 tokens but the whole KV cache holds 32; raise kv_cache_memory_bytes"),
 ]

@@ -16,7 +16,8 @@ GEN = {"max_tokens": 2, "temperature": 0}
 
 # ------------------------------------------------------------------ unit level
 
-@pytest.mark.parametrize("name", ["../x", "a/../b", "/etc", "/etc/passwd", "..", ".hidden", "a//b", "x\0y", "", "a" * 300])
+@pytest.mark.parametrize("name", ["../x", "a/../b", "/etc", "/etc/passwd", "..", ".hidden", "a//b", "x\0y", "",
+                                  "a" * 300])
 def test_adapter_names_cannot_be_paths(name):
     with pytest.raises(RequestError) as ei:
         validate_adapter_name(name)

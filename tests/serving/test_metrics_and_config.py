@@ -63,7 +63,8 @@ def test_metrics_flow():
     m.close()
 
     def ops(name, **lab):
-        return [op for met in fams[name].metrics if all(met.labels.get(k) == v for k, v in lab.items()) for op in met.ops]
+        return [op for met in fams[name].metrics if all(met.labels.get(k) == v for k, v in lab.items())
+                for op in met.ops]
     assert ops("loom_prompt_tokens_total") == [("inc", 7)]
     assert ops("loom_generation_tokens_total") == [("inc", 2)]
     assert ops("loom_time_to_first_token_seconds") == [("obs", 0.5)]

@@ -45,7 +45,8 @@ def test_genai_perf_strings_are_converted_by_type():
     r = req(sp={"max_tokens": "32", "temperature": "0", "top_p": "0.5", "ignore_eos": "false", "seed": "7",
                 "stop": "\n", "logprobs": "2", "skip_special_tokens": "true"})
     p = r.params
-    assert (p.max_tokens, p.temperature, p.top_p, p.ignore_eos, p.seed, p.stop, p.logprobs) == (32, 0.0, 0.5, False, 7, ["\n"], 2)
+    assert ((p.max_tokens, p.temperature, p.top_p, p.ignore_eos, p.seed, p.stop, p.logprobs)
+            == (32, 0.0, 0.5, False, 7, ["\n"], 2))
     assert req(sp={"ignore_eos": "true"}).params.ignore_eos is True
     assert req(sp={"ignore_eos": "FALSE"}).params.ignore_eos is False
     assert req(sp={"temperature": "1.5"}).params.temperature == 1.5
@@ -64,7 +65,8 @@ def test_vllm_names_and_lists():
 
 
 def test_request_parameters_instead_of_tensor():
-    r = req(params={"max_tokens": 3, "temperature": 0, "lora_name": "a", "priority": 0, "triton_enable_empty_final_response": True})
+    r = req(params={"max_tokens": 3, "temperature": 0, "lora_name": "a", "priority": 0,
+                    "triton_enable_empty_final_response": True})
     assert r.params.max_tokens == 3 and r.params.temperature == 0 and r.lora_name == "a"
     assert req(sp={"max_tokens": 3}, params={"max_tokens": 3}).params.max_tokens == 3
     refused("max_tokens", sp={"max_tokens": 3}, params={"max_tokens": 4})
@@ -191,13 +193,15 @@ DEEP = 10_000
 def test_deep_json_refused_before_parsing(where, text):
     """Any nesting beyond the bound is refused with the field named, never a RecursionError."""
     limits = Limits(max_parameters_bytes=1 << 20)
-    kw = {"sp": text} if where == "sampling_parameters" else {"params": json.loads(text) if text.count("[") < 100 else text}
+    kw = ({"sp": text} if where == "sampling_parameters"
+          else {"params": json.loads(text) if text.count("[") < 100 else text})
     with pytest.raises(RequestError) as ei:
         req(limits=limits, **kw)
     field = "stop" if "stop" in text and where == "parameters" else where
     assert ei.value.field == field and "nested" in str(ei.value), str(ei.value)
     with pytest.raises(RequestError) as ei:
-        parse_adapter_op(text if where == "parameters" and "stop" not in text else '{"adapter_op":' + "[" * DEEP, 1 << 20)
+        parse_adapter_op(text if where == "parameters" and "stop" not in text else '{"adapter_op":' + "[" * DEEP,
+                         1 << 20)
     assert "nested" in str(ei.value)
 
 
