@@ -99,7 +99,9 @@ def test_bench_overhead_smoke(tmp_path):
                    "--prompt-len", "20", "--vocab", "512", "--out-dir", str(tmp_path))
     assert "running seqs" in p.stdout and "schedule" in p.stdout
     data = json.loads(one_file(tmp_path, "bench_overhead-*.json").read_text())
-    assert [r["num_seqs"] for r in data["results"]] == [4, 16]
+    # one row per size and host path (persistent sampling state, and the rebuild-every-step reference)
+    assert [(r["num_seqs"], r["path"]) for r in data["results"]] == \
+        [(4, "persistent"), (4, "simple"), (16, "persistent"), (16, "simple")]
     for r in data["results"]:
         assert r["step_us"] > 0 and r["prepare_us"] > 0 and r["schedule_us"] > 0
         assert r["block_table_width"] >= 2  # 20 prompt tokens + decode in blocks of 16
