@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import backend  # noqa: F401  (CPU tuning before torch loads)
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 

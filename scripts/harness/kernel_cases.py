@@ -345,3 +345,26 @@ CASES = {
     "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
 }
+
+
+def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
+    """The float64 oracle of paged attention, per (token, head): the keys at positions max(0, pos - window + 1)
+    .. pos, scores capped as c*tanh(s/c)."""
+    q, kc, vc = q.double(), kc.double(), vc.double()
+    bs, kvh = kc.shape[1], kc.shape[2]
+    group = q.shape[1] // kvh
+    out = torch.zeros_like(q)
+    for s in range(len(seq_lens)):
+        q_len, n = int(cu[s + 1] - cu[s]), int(seq_lens[s])
+        for i in range(q_len):
+            t, pos = int(cu[s]) + i, n - q_len + i
+            first = 0 if window is None else max(0, pos - window + 1)
+            for h in range(q.shape[1]):
+                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                scores = keys @ q[t, h] * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                w = torch.softmax(scores, 0)
+                out[t, h] = w @ vals
+    return out

@@ -23,27 +23,6 @@ def ext(request):
         yield m
 
 
-def naive(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
-    """float64, one query and one head at a time, keys p - window < k <= p."""
-    q, kc, vc = q.double(), kc.double(), vc.double()
-    bs, kvh = kc.shape[1], kc.shape[2]
-    group = q.shape[1] // kvh
-    out = torch.zeros_like(q)
-    for s in range(len(seq_lens)):
-        q_len, n = int(cu[s + 1] - cu[s]), int(seq_lens[s])
-        for i in range(q_len):
-            t, pos = int(cu[s]) + i, n - q_len + i
-            lo = 0 if window is None else max(0, pos - window + 1)
-            for h in range(q.shape[1]):
-                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(lo, pos + 1)])
-                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(lo, pos + 1)])
-                sc = keys @ q[t, h] * scale
-                if softcap is not None:
-                    sc = softcap * torch.tanh(sc / softcap)
-                out[t, h] = torch.softmax(sc, 0) @ vals
-    return out
-
-
 def forget_before_window(kc, vc, bt, seq_lens, window, block_size):
     """Blocks wholly before every query's window may hold anything: make them NaN."""
     for s, n in enumerate(seq_lens.tolist()):
@@ -69,7 +48,7 @@ def test_decode_vs_naive(window, softcap, group):
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # empty context -> zeros
     keep = [i for i, n in enumerate(lens) if n]
     cu = torch.arange(len(keep) + 1, dtype=torch.int32)
-    want = naive(q[keep], kc, vc, cu, sl[keep], bt[keep], 0.2, window, softcap)
+    want = kcases.naive_attention(q[keep], kc, vc, cu, sl[keep], bt[keep], 0.2, window, softcap)
     assert kcases.rel_err(out[keep], want) < 1e-6
 
 
@@ -82,7 +61,7 @@ def test_prefill_vs_naive(window, softcap, group):
     q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(lens, 2 * group, 2, 32, 8, torch.float32, "cpu")
     out = kcases.poison(*q.shape, dtype=torch.float32, device="cpu")
     paged_prefill_attention_cpu(q, kc, vc, cu, sl, bt, max_q, 0.3, out=out, sliding_window=window, softcap=softcap)
-    assert kcases.rel_err(out, naive(q, kc, vc, cu, sl, bt, 0.3, window, softcap)) < 1e-6
+    assert kcases.rel_err(out, kcases.naive_attention(q, kc, vc, cu, sl, bt, 0.3, window, softcap)) < 1e-6
 
 
 def test_same_as_references_on_a_model_sized_batch():

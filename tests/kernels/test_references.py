@@ -4,32 +4,10 @@ import pytest
 import torch
 
 import harness.kernel_cases as kcases
-import kernels
+from loom import kernels
 from loom.kernels import dispatch, lora, norm, rotary
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
-
-
-def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=None):
-    """Per (token, head): the keys at positions max(0, pos - window + 1) .. pos, scores capped as c*tanh(s/c)."""
-    q, kc, vc = q.double(), kc.double(), vc.double()
-    bs, kvh = kc.shape[1], kc.shape[2]
-    group = q.shape[1] // kvh
-    out = torch.zeros_like(q)
-    for s in range(len(seq_lens)):
-        q_len, n = int(cu[s + 1] - cu[s]), int(seq_lens[s])
-        for i in range(q_len):
-            t, pos = int(cu[s]) + i, n - q_len + i
-            first = 0 if window is None else max(0, pos - window + 1)
-            for h in range(q.shape[1]):
-                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
-                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
-                scores = keys @ q[t, h] * scale
-                if softcap is not None:
-                    scores = softcap * torch.tanh(scores / softcap)
-                w = torch.softmax(scores, 0)
-                out[t, h] = w @ vals
-    return out
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -38,7 +16,7 @@ def test_prefill_ref_vs_naive(group):
     lens = [(1, 5), (6, 6), (4, 21), (1, 1), (9, 30)]
     q, kc, vc, cu, sl, bt, max_q = kcases.prefill_inputs(lens, 3 * group, 3, 16, 8, torch.float32, "cpu")
     out = paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.3)
-    assert kcases.rel_err(out, naive_attention(q, kc, vc, cu, sl, bt, 0.3)) < 1e-6
+    assert kcases.rel_err(out, kcases.naive_attention(q, kc, vc, cu, sl, bt, 0.3)) < 1e-6
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (11, 2.0)])
@@ -51,14 +29,14 @@ def test_window_softcap_refs_vs_naive(window, softcap):
     full_bt = bt
     bt = kcases.hide_before_window(kc, bt, [n - ql for ql, n in lens], window)
     out = paged_prefill_attention_ref(q, kc, vc, cu, sl, bt, max_q, 0.3, sliding_window=window, softcap=softcap)
-    want = naive_attention(q, kc, vc, cu, sl, bt, 0.3, window, softcap)
+    want = kcases.naive_attention(q, kc, vc, cu, sl, bt, 0.3, window, softcap)
     assert kcases.rel_err(out, want) < 1e-6
     dec = [0, 3, 5]  # single-token rows, through the decode reference
     out = paged_decode_attention_ref(q[cu[dec].long()], kc, vc, bt[dec], sl[dec], 0.3, sliding_window=window,
                                      softcap=softcap)
     assert kcases.rel_err(out, want[cu[dec].long()]) < 1e-6
     if window is not None:  # the window changes the result (a test that cannot fail otherwise)
-        full = naive_attention(q, kc, vc, cu, sl, full_bt, 0.3, None, softcap)
+        full = kcases.naive_attention(q, kc, vc, cu, sl, full_bt, 0.3, None, softcap)
         assert kcases.rel_err(full, want) > 1e-2
 
 
@@ -71,7 +49,7 @@ def test_decode_ref_vs_naive():
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # empty context -> zeros
     cu = torch.arange(5, dtype=torch.int32)
     keep = [0, 1, 3]
-    want = naive_attention(q[keep], kc, vc, cu[:4], sl[keep], bt[keep], 0.2)
+    want = kcases.naive_attention(q[keep], kc, vc, cu[:4], sl[keep], bt[keep], 0.2)
     assert kcases.rel_err(out[keep], want) < 1e-6
 
 

@@ -178,3 +178,11 @@ def test_make_adapters_loads_in_the_engine(tmp_path):
     outs = llm.generate(["The weather was cold this morning"] * 3, sp, lora_names=[None, names[0], names[1]])
     assert all(o.error is None and len(o.token_ids) == 6 for o in outs)
     assert outs[1].token_ids != outs[0].token_ids or outs[2].token_ids != outs[0].token_ids  # B is non-zero
+
+
+# ---- demo_offline (a README entry point) ------------------------------------------------------------
+
+def test_demo_offline_runs():
+    p = run_script("demo_offline.py", "--max-tokens", "6")
+    assert p.stdout.count("Q: ") == 6 and "prefix cache:" in p.stdout
+    assert "each request run alone gives the same text: 6/6" in p.stdout  # preemption and batching change nothing
