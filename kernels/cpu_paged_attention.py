@@ -32,6 +32,12 @@ def _cache_ok(k_cache, v_cache) -> bool:
     return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
 
 
+def _attention_fits(lib, q, k_cache, v_cache, out) -> bool:
+    """Whether the C++ attention takes these tensors (built library, float32 CPU, contiguous caches and out rows)."""
+    return (lib is not None and cpu_ext.usable(q, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
+            and (out is None or (cpu_ext.usable(out) and out.stride(-1) == 1)))
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
@@ -61,8 +67,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     """q [B, H, D], caches [blocks, block_size, KVH, D], block_tables [B, M] int32, seq_lens [B] int32."""
     window, cap = _options(sliding_window, softcap)
     lib = cpu_ext.load()
-    if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
-            (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
+    if not _attention_fits(lib, q, k_cache, v_cache, out):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
                                           sliding_window=sliding_window, softcap=softcap)
     if out is None:
@@ -84,8 +89,7 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
     """q [T, H, D]; sequence s owns rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len_s + i."""
     window, cap = _options(sliding_window, softcap)
     lib = cpu_ext.load()
-    if lib is None or not cpu_ext.usable(q, k_cache, v_cache) or not _cache_ok(k_cache, v_cache) or \
-            (out is not None and (not cpu_ext.usable(out) or out.stride(-1) != 1)):
+    if not _attention_fits(lib, q, k_cache, v_cache, out):
         return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
                                            scale, out=out, sliding_window=sliding_window, softcap=softcap)
     if out is None:
