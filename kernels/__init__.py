@@ -10,8 +10,7 @@ from loom.kernels.dispatch import (
     fused_moe,
     fused_moe_lora,
     gelu_tanh_and_mul,
-    lora_expand,
-    lora_shrink,
+    lora_apply,
     paged_decode_attention,
     paged_prefill_attention,
     rotary_embedding,
@@ -29,6 +28,5 @@ __all__ = [
     "gelu_tanh_and_mul",
     "fused_moe",
     "fused_moe_lora",
-    "lora_shrink",
-    "lora_expand",
+    "lora_apply",
 ]

@@ -14,7 +14,7 @@ from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_r
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
-from loom.kernels.cpu_lora import lora_expand_cpu, lora_shrink_cpu
+from loom.kernels.cpu_lora import lora_apply_cpu
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
 from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
 from loom.kernels.kv_store import store_kv_triton
@@ -74,9 +74,9 @@ def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
     return fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=out)
 
 
-def lora_shrink(x, lora_a, meta, out=None):
-    return (lora_shrink_triton if use_triton(x) else lora_shrink_cpu)(x, lora_a, meta, out=out)
-
-
-def lora_expand(buf, lora_b, slice_offsets, meta, y):
-    return (lora_expand_triton if use_triton(y) else lora_expand_cpu)(buf, lora_b, slice_offsets, meta, y)
+def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
+    """y += the LoRA deltas of meta's adapter groups, in place: Triton's shrink then expand launches, or one C++
+    pass on CPU."""
+    if not use_triton(x):
+        return lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta)
+    return lora_expand_triton(lora_shrink_triton(x, lora_a, meta), lora_b, slice_offsets, meta, y)

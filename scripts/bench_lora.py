@@ -84,7 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="eager", choices=("eager", "compiled"), help="loom's CPU forward")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--lora-memory-mb", type=int, default=512)
+    ap.add_argument("--lora-memory-mb", type=int, default=1024,
+                    help="loom's adapter pool; must hold every adapter of the run at once, as vLLM's max_loras does")
     ap.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
     ap.add_argument("--json", default="")
     add_vllm_arguments(ap)
@@ -266,6 +267,9 @@ def main(argv=None) -> None:
               enable_prefix_caching=False, cpu_threads=args.threads, cpu_compile=args.compile == "compiled")
     startup = time.perf_counter() - t0
     eng, reg = llm.engine, llm.engine.adapters
+    if reg.info()["capacity_rows"] < (n + 1) * args.rank:  # else the distinct run waits for adapter rows, not compute
+        raise SystemExit(f"--lora-memory-mb {args.lora_memory_mb} holds {reg.info()['capacity_rows']} rank rows, "
+                         f"fewer than the {n + 1} rank-{args.rank} adapters of the run: raise it")
     bc.progress(f"loom: device={eng.runner.device} dtype={eng.runner.dtype} {torch.get_num_threads()} threads, "
                 f"start-up {startup:.1f}s, lora pool: {reg.info()}")
     g = torch.Generator().manual_seed(0)

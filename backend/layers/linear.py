@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import lora_expand, lora_shrink, torch_ops
+from loom.kernels import lora_apply, torch_ops
 from loom.layers.forward_context import get_forward_context
 
 
@@ -47,8 +47,7 @@ def apply_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     meta = get_forward_context().lora
     if meta is not None and meta.token_indices.numel() > 0 and \
             (meta.module_groups is None or group in meta.module_groups):
-        buf = lora_shrink(x, lora_a, meta)
-        lora_expand(buf, lora_b, slice_offsets, meta, y)
+        lora_apply(x, y, lora_a, lora_b, slice_offsets, meta)
 
 
 # Under torch.compile the LoRA part is one opaque op: it reads the per-step forward context.

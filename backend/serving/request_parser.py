@@ -170,6 +170,8 @@ _CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
 
 
 def _check_depth(name: str, text: str) -> None:
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # the usual request: no deeper than its openers
+        return
     depth = _json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise RequestError(name, f"JSON is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")

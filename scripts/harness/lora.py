@@ -125,13 +125,13 @@ class MixedLoraHF:
     """HF Llama + registry pools: batched forward/generation where each sequence has its own adapter."""
 
     def __init__(self, hf_model, holders: nn.Module):
-        from loom.kernels import lora_expand, lora_shrink
+        from loom.kernels import lora_apply
 
         self.hf = hf_model
         self.holders = holders
         self.refs = None
         self.meta = None
-        self._shrink, self._expand = lora_shrink, lora_expand
+        self._lora_apply = lora_apply
         for i, layer in enumerate(hf_model.model.layers):
             for proj, (block, group, si) in PROJ_GROUP.items():
                 mod = getattr(getattr(layer, block), proj)
@@ -154,8 +154,7 @@ class MixedLoraHF:
             hi = lo + holder.output_sizes[si]
             a = holder.lora_a[si:si + 1]
             b = holder.lora_b[:, lo:hi]
-            buf = self._shrink(x.contiguous(), a, self.meta)
-            self._expand(buf, b.contiguous(), [0, hi - lo], self.meta, y)
+            self._lora_apply(x.contiguous(), y, a, b.contiguous(), [0, hi - lo], self.meta)
             return y.reshape(out.shape)
         return hook
 

@@ -50,10 +50,9 @@ def test_failed_build_runs_the_references(compiler, fresh_build, monkeypatch, ca
     assert torch.equal(dispatch.silu_and_mul(x), silu_and_mul_ref(x))
     meta, R, _ = kcases.make_lora_meta(6, [1, 4], "cpu")
     a, b, y = torch.randn(1, R, 64), torch.randn(R, 8), torch.randn(6, 8)
-    buf = dispatch.lora_shrink(x.repeat(2, 1)[:6], a, meta)
-    assert torch.equal(buf, lora.lora_shrink_ref(x.repeat(2, 1)[:6], a, meta))
-    assert torch.equal(dispatch.lora_expand(buf, b, [0, 8], meta, y.clone()),
-                       lora.lora_expand_ref(buf, b, [0, 8], meta, y.clone()))
+    xs = x.repeat(2, 1)[:6]
+    assert torch.equal(dispatch.lora_apply(xs, y.clone(), a, b, [0, 8], meta),
+                       lora.lora_expand_ref(lora.lora_shrink_ref(xs, a, meta), b, [0, 8], meta, y.clone()))
     from loom.engine import cpu
 
     assert not cpu.can_pack(torch.float32, torch.device("cpu"))  # linear layers stay F.linear

@@ -123,28 +123,33 @@ def test_dispatch_picks_the_in_place_kernels_on_cpu(monkeypatch):
 
 # ---- LoRA -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("max_tokens", [0, 1, 4, 10**9])
-def test_lora_cpu_vs_reference(max_tokens, monkeypatch):
-    """Decode-like groups (few tokens) run in C++ reading rank rows in place, the others as GEMMs; every mix
-    equals the reference's group loop."""
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_tokens,ranks", [(30, [1, 8, 16, 64, 4, 16]),  # decode-like: a few tokens per group
+                                               (70, [16, 3]),  # prefill-like: groups of many tiles and a partial one
+                                               (6, [16] * 6)])  # one token per adapter
+def test_lora_cpu_vs_reference(threads, num_tokens, ranks, monkeypatch):
+    """The one-pass C++ LoRA (tiles of a group's tokens, rank rows read in place, slices of several widths)
+    equals the reference's shrink then expand, and leaves tokens without an adapter untouched."""
     from loom.kernels import cpu_lora
 
-    monkeypatch.setattr(cpu_lora, "MAX_TOKENS_IN_PLACE", max_tokens)
     monkeypatch.setattr(lora, "_DENSE_MAX_TOKEN_ROWS", 0)  # the reference's plain group loop
+    monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
     torch.manual_seed(0)
-    meta, R, owner = kcases.make_lora_meta(30, [1, 8, 16, 64, 4, 16], "cpu")
-    offs = [0, 24, 32, 40]
-    x, a, b = torch.randn(30, 48), torch.randn(3, R, 48), torch.randn(R, 40)
-    y0 = torch.randn(30, 40)
-    want_buf = lora.lora_shrink_ref(x, a, meta)
-    buf = cpu_lora.lora_shrink_cpu(x, a, meta)
-    mask = kcases.rank_mask(meta, 3)
-    assert kcases.rel_err(buf[mask], want_buf[mask]) < 1e-6
-    want = lora.lora_expand_ref(want_buf, b, offs, meta, y0.clone())
-    got = cpu_lora.lora_expand_cpu(buf, b, offs, meta, y0.clone())
-    assert kcases.rel_err(got, want) < 1e-6
+    meta, R, owner = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    offs = [0, 24, 32, 300]  # the last slice is wider than one column chunk
+    x, a, b = torch.randn(num_tokens, 48), torch.randn(3, R, 48), torch.randn(R, 300)
+    y0 = torch.randn(num_tokens, 300)
+    want = lora.lora_expand_ref(lora.lora_shrink_ref(x, a, meta), b, offs, meta, y0.clone())
+    got = cpu_lora.lora_apply_cpu(x, y0.clone(), a, b, offs, meta)
+    assert kcases.rel_err(got - y0, want - y0) < 1e-5
     untouched = owner == -1  # tokens without an adapter keep y exactly
     assert torch.equal(got[untouched], y0[untouched])
+    # rows of x and y that are views into wider tensors (strided rows)
+    xw, yw = torch.randn(num_tokens, 64), torch.randn(num_tokens, 320)
+    xw[:, :48] = x
+    yw[:, :300] = y0
+    cpu_lora.lora_apply_cpu(xw[:, :48], yw[:, :300], a, b, offs, meta)
+    assert kcases.rel_err(yw[:, :300] - y0, want - y0) < 1e-5
 
 
 # ---- GEMM over packed weights ---------------------------------------------------------------------------

@@ -1,0 +1,255 @@
+// Paged attention reading the KV cache in place (decode and prefill), and the KV store.
+
+namespace {
+
+// Up to 3 query rows that share a kv head and a key range (the query heads of one kv head, GQA) go through
+// the keys together: each key / value vector is loaded once for all of them.
+
+// s[g * ld + j] = q_g . (k_j + off), g < GR, for n key rows of D floats
+template <int GR>
+inline void dots(const float* const* q, const float* const* keys, int64_t off, int64_t n, int64_t D, float* s,
+                 int64_t ld) {
+  int64_t j = 0;
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (; j + 4 <= n; j += 4) {
+      __m256 acc[GR][4];
+      _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g)
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+      const float* k[4] = {keys[j] + off, keys[j + 1] + off, keys[j + 2] + off, keys[j + 3] + off};
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv[GR];
+        _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(q[g] + d);
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+          const __m256 kv = _mm256_loadu_ps(k[i] + d);
+          _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) acc[g][i] = _mm256_fmadd_ps(qv[g], kv, acc[g][i]);
+        }
+      }
+      _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) {
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+        _mm_storeu_ps(s + g * ld + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j)
+    for (int g = 0; g < GR; ++g) s[g * ld + j] = dot(q[g], keys[j] + off, D);
+}
+
+#ifdef __AVX2__
+// acc_g[0:8*NC] += sum_j p[g * ld + j] * (v_j + off)[0:8*NC], the accumulators held in registers
+template <int GR, int NC>
+inline void pv_block(float* const* acc, const float* p, int64_t ld, const float* const* vals, int64_t off,
+                     int64_t n) {
+  __m256 a[GR][NC];
+  _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g)
+    _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) a[g][c] = _mm256_loadu_ps(acc[g] + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = vals[j] + off;
+    __m256 w[GR];
+    _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) w[g] = _mm256_set1_ps(p[g * ld + j]);
+    _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) {
+      const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+      _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) a[g][c] = _mm256_fmadd_ps(w[g], vv, a[g][c]);
+    }
+  }
+  _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g)
+    _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) _mm256_storeu_ps(acc[g] + 8 * c, a[g][c]);
+}
+#endif
+
+// acc_g[0:D] += sum_j p[g * ld + j] * (v_j + off), g < GR
+template <int GR>
+inline void pv(float* const* acc, const float* p, int64_t ld, const float* const* vals, int64_t off, int64_t n,
+               int64_t D) {
+#ifdef __AVX2__
+  if (D % 8 == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 32 floats at a time: GR x 4 accumulators stay in registers
+      float* a[GR];
+      for (int g = 0; g < GR; ++g) a[g] = acc[g] + d0;
+      switch (std::min<int64_t>(4, (D - d0) / 8)) {
+        case 4: pv_block<GR, 4>(a, p, ld, vals, off + d0, n); break;
+        case 3: pv_block<GR, 3>(a, p, ld, vals, off + d0, n); break;
+        case 2: pv_block<GR, 2>(a, p, ld, vals, off + d0, n); break;
+        default: pv_block<GR, 1>(a, p, ld, vals, off + d0, n); break;
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int g = 0; g < GR; ++g) axpy(acc[g], vals[j] + off, p[g * ld + j], D);
+}
+
+constexpr int64_t KEY_TILE = 128;  // keys per online-softmax step (their K/V rows stay in L1/L2 for all rows)
+
+// One query row: its vector, where its output goes, its absolute position, its kv head's offset in a cache row.
+struct Row {
+  const float* q;
+  float* o;
+  int64_t qpos, head_off;
+};
+
+struct Cache {
+  const float* k;
+  const float* v;
+  const int32_t* table;  // this sequence's row of the block table
+  int64_t block_size, row_stride, D;  // row_stride = KVH * D: one position's keys of every kv head
+};
+
+struct Scratch {
+  std::vector<const float*> kp, vp;
+  std::vector<float> s, acc, m, l;
+};
+
+// Attention of query rows of one sequence over its cached keys lo(r) <= k <= qpos(r), lo(r) = window > 0 ?
+// qpos(r) - window + 1 : 0, read in place through the block table: flash-style over tiles of KEY_TILE positions
+// (online softmax); each tile's rows (all kv heads of a position are contiguous) are located once and read from
+// memory once for all query rows, which may belong to several kv heads. Rows are ordered by ascending qpos.
+void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64_t window, float softcap,
+                 Scratch& w) {
+  const int64_t D = c.D, bs = c.block_size;
+  auto lo_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, rows[r].qpos - window + 1) : int64_t(0); };
+  int64_t kmin = lo_of(0);
+  for (int64_t r = 1; r < nq; ++r) kmin = std::min(kmin, lo_of(r));
+  const int64_t kmax = rows[nq - 1].qpos;
+  w.kp.resize(KEY_TILE);
+  w.vp.resize(KEY_TILE);
+  w.s.resize(3 * KEY_TILE);
+  w.acc.assign(nq * D, 0.f);
+  w.m.assign(nq, NEG_INF);
+  w.l.assign(nq, 0.f);
+  for (int64_t t0 = kmin; t0 <= kmax; t0 += KEY_TILE) {
+    const int64_t t1 = std::min(kmax + 1, t0 + KEY_TILE);
+    for (int64_t p = t0; p < t1;) {  // one block-table lookup per block, not per position
+      const int64_t in = p % bs, end = std::min(t1, p - in + bs);
+      int64_t off = (int64_t(c.table[p / bs]) * bs + in) * c.row_stride;
+      for (; p < end; ++p, off += c.row_stride) {
+        w.kp[p - t0] = c.k + off;
+        w.vp[p - t0] = c.v + off;
+      }
+    }
+    for (int64_t r = 0; r < nq;) {
+      // rows r .. r + gr - 1 share a kv head and a position (so a key range): at most 3 at a time
+      int64_t gr = 1;
+      while (gr < 3 && r + gr < nq && rows[r + gr].qpos == rows[r].qpos && rows[r + gr].head_off == rows[r].head_off)
+        ++gr;
+      const int64_t a = std::max(t0, lo_of(r)), b = std::min(t1, rows[r].qpos + 1);
+      if (a >= b) {
+        r += gr;
+        continue;
+      }
+      const int64_t n = b - a, off = rows[r].head_off;
+      float* s = w.s.data();
+      const float* qs[3] = {rows[r].q, gr > 1 ? rows[r + 1].q : nullptr, gr > 2 ? rows[r + 2].q : nullptr};
+      float* accs[3] = {w.acc.data() + r * D, gr > 1 ? w.acc.data() + (r + 1) * D : nullptr,
+                        gr > 2 ? w.acc.data() + (r + 2) * D : nullptr};
+      const float* const* kp = w.kp.data() + (a - t0);
+      const float* const* vp = w.vp.data() + (a - t0);
+      if (gr == 3) dots<3>(qs, kp, off, n, D, s, KEY_TILE);
+      else if (gr == 2) dots<2>(qs, kp, off, n, D, s, KEY_TILE);
+      else dots<1>(qs, kp, off, n, D, s, KEY_TILE);
+      for (int64_t g = 0; g < gr; ++g) {
+        float* sg = s + g * KEY_TILE;
+        float mt = NEG_INF;
+        for (int64_t j = 0; j < n; ++j) {
+          float x = sg[j] * scale;
+          if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
+          sg[j] = x;
+          mt = std::max(mt, x);
+        }
+        const float m_old = w.m[r + g], m_new = std::max(m_old, mt);
+        const float alpha = m_old == NEG_INF ? 0.f : std::exp(m_old - m_new);
+        if (alpha != 1.f)
+          for (int64_t d = 0; d < D; ++d) accs[g][d] *= alpha;
+        w.l[r + g] = w.l[r + g] * alpha + exp_sum(sg, n, m_new);
+        w.m[r + g] = m_new;
+      }
+      if (gr == 3) pv<3>(accs, s, KEY_TILE, vp, off, n, D);
+      else if (gr == 2) pv<2>(accs, s, KEY_TILE, vp, off, n, D);
+      else pv<1>(accs, s, KEY_TILE, vp, off, n, D);
+      r += gr;
+    }
+  }
+  for (int64_t r = 0; r < nq; ++r) {  // a row that saw no key (empty sequence) stays zero
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) rows[r].o[d] = w.acc[r * D + d] * inv;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [B, H, D] (strides qs0, qs1; D contiguous); caches [blocks, block_size, KVH, D] contiguous;
+// block_tables [B, M] int32 contiguous; seq_lens [B] int32; out like q (strides os0, os1).
+// Work items: a sequence with all its heads (each position's row of K/V read once, whole), or - with too few
+// sequences to keep the threads busy - a sequence's kv head with its query heads.
+void loom_paged_decode(const float* q, int64_t qs0, int64_t qs1, const float* kc, const float* vc,
+                       int64_t block_size, int64_t KVH, int64_t D, const int32_t* bt, int64_t M,
+                       const int32_t* seq_lens, int64_t B, int64_t H, float* out, int64_t os0, int64_t os1,
+                       float scale, int64_t window, float softcap, int nthreads) {
+  const int64_t G = H / KVH, split = B >= 2 * nthreads ? 1 : KVH, per = KVH / split;
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch scratch;
+    std::vector<Row> rows(per * G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < B * split; ++i) {
+      const int64_t b = i / split, h0 = (i % split) * per;
+      for (int64_t r = 0; r < per * G; ++r) {
+        const int64_t h = h0 * G + r;  // query head
+        rows[r] = {q + b * qs0 + h * qs1, out + b * os0 + h * os1, int64_t(seq_lens[b]) - 1, (h / G) * D};
+      }
+      const Cache c{kc, vc, bt + b * M, block_size, KVH * D, D};
+      attend_rows(rows.data(), per * G, c, scale, window, softcap, scratch);
+    }
+  }
+}
+
+// q [T, H, D]; sequence s owns query rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len + i.
+// Work items: (sequence, tile of `tile` queries, kv head) with the tile's queries of all the kv head's query heads.
+void loom_paged_prefill(const float* q, int64_t qs0, int64_t qs1, const float* kc, const float* vc,
+                        int64_t block_size, int64_t KVH, int64_t D, const int32_t* cu, const int32_t* seq_lens,
+                        int64_t S, const int32_t* bt, int64_t M, int64_t H, float* out, int64_t os0, int64_t os1,
+                        float scale, int64_t window, float softcap, int64_t tile, int nthreads) {
+  const int64_t G = H / KVH;
+  std::vector<int64_t> item_seq, item_t0;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = cu[s]; t < cu[s + 1]; t += tile) {
+      item_seq.push_back(s);
+      item_t0.push_back(t);
+    }
+  const int64_t n_items = int64_t(item_seq.size()) * KVH;
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch scratch;
+    std::vector<Row> rows(tile * G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      const int64_t it = w / KVH, h = w % KVH, s = item_seq[it], t0 = item_t0[it];
+      const int64_t nq = std::min<int64_t>(tile, cu[s + 1] - t0);
+      const int64_t first = int64_t(seq_lens[s]) - (cu[s + 1] - cu[s]) + (t0 - cu[s]);  // position of row t0
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t t = t0 + i, qh = h * G + g;
+          rows[i * G + g] = {q + t * qs0 + qh * qs1, out + t * os0 + qh * os1, first + i, h * D};
+        }
+      const Cache c{kc, vc, bt + s * M, block_size, KVH * D, D};
+      attend_rows(rows.data(), nq * G, c, scale, window, softcap, scratch);
+    }
+  }
+}
+
+// k/v rows of T tokens (row strides ks / vs, each KVH * D contiguous floats) into cache slots (-1: skip)
+void loom_store_kv(const float* k, int64_t ks, const float* v, int64_t vs, float* kc, float* vc, const int64_t* slots,
+                   int64_t T, int64_t row) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    std::memcpy(kc + s * row, k + t * ks, row * sizeof(float));
+    std::memcpy(vc + s * row, v + t * vs, row * sizeof(float));
+  }
+}
+
+}  // extern "C"

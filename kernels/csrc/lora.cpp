@@ -1,0 +1,168 @@
+// Multi-LoRA over adapter rank rows read in place in the pools, shrink and expand in one pass:
+//   y[tok[i], offs[s]:offs[s+1]] += scal[g] * sum_r (x[tok[i]] . a[s, rows[g] + r]) * b[rows[g] + r, offs[s]:offs[s+1]]
+// for the tokens i of group g (tok[seg[g]:seg[g+1]]), r < ranks[g]. x rows of stride xs; a [S, R, K] contiguous;
+// b [R, N] contiguous; y rows of stride ys; seg [G+1], rows / ranks [G] int32; scal [G] float32; tok int64.
+//
+// Work items are tiles of up to LORA_MAX_TILE tokens of one group (fewer when that would leave threads idle), in
+// parallel: a group's tokens are its own rows of y, so no two items write one row. Register tiles keep loads per
+// FMA low: the shrink takes up to 3 tokens x 4 rank rows at a time (each x and A vector loaded once for all of
+// them), the expand up to 4 tokens x 16 columns (each B vector loaded once for all the tokens). A decode token
+// (a tile of one) reads its adapter's rows once, front to back; a prefill chunk on one adapter costs its FLOPs,
+// its A and B rows staying in cache across the tile. The rank-space products stay in float32 scratch, as in the
+// reference.
+
+namespace {
+
+constexpr int64_t LORA_MAX_TILE = 32;
+
+// out[i * 4 + j] = x_i . a_j for TI token rows and 4 rank rows of K floats
+template <int TI>
+inline void shrink_block(const float* const* x, const float* const* a, int64_t K, float* out) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 acc[TI][4];
+  for (int i = 0; i < TI; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 a0 = _mm256_loadu_ps(a[0] + k), a1 = _mm256_loadu_ps(a[1] + k), a2 = _mm256_loadu_ps(a[2] + k),
+                 a3 = _mm256_loadu_ps(a[3] + k);
+    for (int i = 0; i < TI; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + k);
+      acc[i][0] = _mm256_fmadd_ps(xv, a0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, a1, acc[i][1]);
+      acc[i][2] = _mm256_fmadd_ps(xv, a2, acc[i][2]);
+      acc[i][3] = _mm256_fmadd_ps(xv, a3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < TI; ++i)
+    for (int j = 0; j < 4; ++j) out[i * 4 + j] = hsum(acc[i][j]);
+#else
+  for (int i = 0; i < TI * 4; ++i) out[i] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int i = 0; i < TI; ++i)
+      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a[j][k];
+}
+
+// y_i[c : c + 16] += sum_r coef_i[r] * b_r[c : c + 16] for TI token rows (b_r = b + r * ldb)
+template <int TI>
+inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank) {
+#ifdef __AVX2__
+  __m256 acc[TI][2];
+  for (int i = 0; i < TI; ++i) {
+    acc[i][0] = _mm256_loadu_ps(y[i]);
+    acc[i][1] = _mm256_loadu_ps(y[i] + 8);
+  }
+  for (int64_t r = 0; r < rank; ++r) {
+    const __m256 b0 = _mm256_loadu_ps(b + r * ldb), b1 = _mm256_loadu_ps(b + r * ldb + 8);
+    for (int i = 0; i < TI; ++i) {
+      const __m256 c = _mm256_broadcast_ss(coef[i] + r);
+      acc[i][0] = _mm256_fmadd_ps(c, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(c, b1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < TI; ++i) {
+    _mm256_storeu_ps(y[i], acc[i][0]);
+    _mm256_storeu_ps(y[i] + 8, acc[i][1]);
+  }
+#else
+  for (int i = 0; i < TI; ++i)
+    for (int64_t r = 0; r < rank; ++r) axpy(y[i], b + r * ldb, coef[i][r], 16);
+#endif
+}
+
+// The tile's shrink: buf[i * rank_pad + r] = sc * (x_i . a_r), rank rows in blocks of 4 (the last block repeats
+// its last row; the extra products land in the padding and are never read).
+void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, int64_t rank, float sc, float* buf,
+                 int64_t rank_pad) {
+  float out[12];
+  for (int64_t r0 = 0; r0 < rank; r0 += 4) {
+    const float* ar[4];
+    for (int j = 0; j < 4; ++j) ar[j] = a + std::min(r0 + j, rank - 1) * K;
+    for (int64_t i0 = 0; i0 < nt; i0 += 3) {
+      const int64_t ti = std::min<int64_t>(3, nt - i0);
+      switch (ti) {
+        case 3: shrink_block<3>(x + i0, ar, K, out); break;
+        case 2: shrink_block<2>(x + i0, ar, K, out); break;
+        default: shrink_block<1>(x + i0, ar, K, out); break;
+      }
+      for (int64_t i = 0; i < ti; ++i)
+        for (int j = 0; j < 4; ++j) buf[(i0 + i) * rank_pad + r0 + j] = sc * out[i * 4 + j];
+    }
+  }
+}
+
+// The tile's expand over columns [c0, c1) of y and b: 16 at a time, then the tail by axpy
+void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad, const float* b, int64_t ldb,
+                 int64_t rank, int64_t c0, int64_t c1) {
+  if (nt == 1) {  // a decode token: B's rank rows streamed once each, front to back; y's row stays in L1
+    for (int64_t r = 0; r < rank; ++r) axpy(y[0] + c0, b + r * ldb + c0, buf[r], c1 - c0);
+    return;
+  }
+  int64_t c = c0;
+  for (; c + 16 <= c1; c += 16)
+    for (int64_t i0 = 0; i0 < nt; i0 += 4) {
+      float* yr[4];
+      const float* cf[4];
+      const int64_t ti = std::min<int64_t>(4, nt - i0);
+      for (int64_t i = 0; i < ti; ++i) {
+        yr[i] = y[i0 + i] + c;
+        cf[i] = buf + (i0 + i) * rank_pad;
+      }
+      switch (ti) {
+        case 4: expand_block<4>(yr, cf, b + c, ldb, rank); break;
+        case 3: expand_block<3>(yr, cf, b + c, ldb, rank); break;
+        case 2: expand_block<2>(yr, cf, b + c, ldb, rank); break;
+        default: expand_block<1>(yr, cf, b + c, ldb, rank); break;
+      }
+    }
+  if (c < c1)
+    for (int64_t i = 0; i < nt; ++i)
+      for (int64_t r = 0; r < rank; ++r) axpy(y[i] + c, b + r * ldb + c, buf[i * rank_pad + r], c1 - c);
+}
+
+}  // namespace
+
+extern "C" {
+
+void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const float* b,
+                     int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok, const int32_t* seg,
+                     const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G, int nthreads) {
+  std::vector<int64_t> item_g, item_t0;
+  int64_t max_rank = 0;
+  const int64_t per_thread = (seg[G] - seg[0] + nthreads - 1) / std::max(1, nthreads);
+  const int64_t tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(1, per_thread));
+  for (int64_t g = 0; g < G; ++g) {
+    if (ranks[g] <= 0) continue;
+    max_rank = std::max<int64_t>(max_rank, ranks[g]);
+    for (int64_t t = seg[g]; t < seg[g + 1]; t += tile) {
+      item_g.push_back(g);
+      item_t0.push_back(t);
+    }
+  }
+  const int64_t n_items = int64_t(item_g.size());
+  if (n_items == 0) return;
+  const int64_t rank_pad = (max_rank + 3) / 4 * 4;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
+  {
+    std::vector<float> buf(tile * S * rank_pad);  // [slice][tile token][rank], pre-scaled
+    std::vector<const float*> xr(tile);
+    std::vector<float*> yr(tile);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      const int64_t g = item_g[w], t0 = item_t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
+      for (int64_t i = 0; i < nt; ++i) {
+        xr[i] = x + tok[t0 + i] * xs;
+        yr[i] = y + tok[t0 + i] * ys;
+      }
+      for (int64_t s = 0; s < S; ++s)
+        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], scal[g], buf.data() + s * tile * rank_pad,
+                    rank_pad);
+      for (int64_t s = 0; s < S; ++s)
+        expand_tile(yr.data(), nt, buf.data() + s * tile * rank_pad, rank_pad, b + int64_t(rows[g]) * N, N, ranks[g],
+                    offs[s], offs[s + 1]);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,60 @@
+extern "C" {
+
+// ---- pointwise work between the GEMMs (one call per layer part instead of ~10 small torch ops)
+
+// res_out = x + res (or x); out = res_out * (1 / sqrt(mean(res_out^2) + eps)) * w, per row of N
+void loom_rms_norm(const float* x, int64_t xs, const float* res, int64_t rs, const float* w, float eps, float* out,
+                   int64_t os, float* res_out, int64_t ros, int64_t T, int64_t N) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * xs;
+    float* ro = res_out + t * ros;
+    for (int64_t i = 0; i < N; ++i) ro[i] = res ? xr[i] + res[t * rs + i] : xr[i];
+    const float inv = 1.f / std::sqrt(dot(ro, ro, N) / float(N) + eps);
+    float* o = out + t * os;
+    for (int64_t i = 0; i < N; ++i) o[i] = ro[i] * inv * w[i];
+  }
+}
+
+// neox rotary in place: for each head row x of q [T, H, D] and k [T, KVH, D] (strides s0 per token, s1 per head),
+// x[i], x[i + D/2] = x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin; cos / sin from cs[pos[t]] (D floats)
+void loom_rotary(const int64_t* pos, const float* cs, int64_t D, float* q, int64_t qs0, int64_t qs1, int64_t H,
+                 float* k, int64_t ks0, int64_t ks1, int64_t KVH, int64_t T) {
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cs + pos[t] * D;
+    const float* sn = c + half;
+    for (int64_t which = 0; which < 2; ++which) {
+      float* base = which ? k + t * ks0 : q + t * qs0;
+      const int64_t heads = which ? KVH : H, hs = which ? ks1 : qs1;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = base + h * hs;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * sn[i];
+          x[i + half] = x2 * c[i] + x1 * sn[i];
+        }
+      }
+    }
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, I + i], silu(v) = v / (1 + exp(-v)); x rows of stride xs, out rows of I
+void loom_silu_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = x + t * xs;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+      const __m256 v = _mm256_loadu_ps(g + i);
+      const __m256 e = exp256(_mm256_sub_ps(zero, v));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+}
+
+}  // extern "C"
