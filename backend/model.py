@@ -182,6 +182,7 @@ class TritonPythonModel:
             if t is not None:
                 inputs[name] = t.as_numpy()
         parsed = parse_request(inputs, params, self.limits)
+        t_parsed = time.monotonic()
         if parsed.ids_mode and parsed.params.n > 1:
             raise RequestError("n", "n > 1 needs text_input (output_ids carries one completion)")
         if parsed.params.structured_outputs is not None:
@@ -194,7 +195,8 @@ class TritonPythonModel:
             prompt_ids = self.encoder.encode(parsed.prompt, add_special_tokens=False)  # as loom.engine.llm does
             if not prompt_ids:
                 raise RequestError("text_input", "the prompt encodes to no tokens")
-        ctx = _Ctx(parsed, prompt_ids, t_arrival=t_arrival, t_tokenized=time.monotonic(), sender=sender)
+        ctx = _Ctx(parsed, prompt_ids, t_arrival=t_arrival, t_parsed=t_parsed, t_tokenized=time.monotonic(),
+                   sender=sender)
         if self.timing_log is not None:
             ctx.request_id = request.request_id()
         on_output = self.streamer.open(ctx, parsed.stream)

@@ -554,7 +554,8 @@ def aiperf_metric(export: dict, name: str, stat: str):
 # ---- TTFT waterfall --------------------------------------------------------------------------------
 
 # (stage, from, to): timestamps of a request, time.monotonic() in the client and the server (one machine)
-TRITON_STAGES = [("client -> execute()", "send", "arrival"), ("tokenize", "arrival", "tokenized"),
+TRITON_STAGES = [("client -> execute()", "send", "arrival"), ("read + parse inputs", "arrival", "parsed"),
+                 ("tokenize", "parsed", "tokenized"),
                  ("submit", "tokenized", "submitted"), ("queue -> scheduled", "submitted", "first_scheduled"),
                  ("scheduled -> token", "first_scheduled", "first_token"), ("detokenize", "first_token", "emitted"),
                  ("emitted -> sent", "emitted", "first_sent"), ("sent -> client", "first_sent", "received")]

@@ -58,6 +58,7 @@ class BlockManager:
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # free with cached content, oldest first
         self.cached: dict[tuple, int] = {}  # key -> block id
         self._next_entry_id = 1
+        self._next_epoch = 1
         self.blocks = _BlockView(self)
 
     # ---- queries -------------------------------------------------------------------------------
@@ -68,6 +69,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return len(self._refs)
+
+    def _new_epoch(self, seq: Sequence) -> None:
+        """seq's block table changed other than by appending (Sequence.table_epoch)."""
+        seq.table_epoch = self._next_epoch
+        self._next_epoch += 1
 
     def entry_id(self, block_id: int) -> int:
         return self._content[block_id][1]
@@ -98,6 +104,7 @@ class BlockManager:
         for block_id in hits:
             self._ref(block_id)
         seq.block_table = hits
+        self._new_epoch(seq)
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * bs
 
@@ -122,6 +129,7 @@ class BlockManager:
                 # registered one and the next block's parent can be read from the table.
                 self._ref(existing)
                 seq.block_table[i] = existing
+                self._new_epoch(seq)
                 self._unref(block_id)
             parent = self.entry_id(seq.block_table[i])
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, n_full)
@@ -152,6 +160,8 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             return False
+        if need and not seq.block_table:
+            self._new_epoch(seq)
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
         return True
@@ -168,6 +178,7 @@ class BlockManager:
         for block_id in src.block_table[:n_full]:
             self._ref(block_id)
         dst.block_table = list(src.block_table[:n_full])
+        self._new_epoch(dst)
         copy = None
         if rest:
             new = self._take_free_block()
@@ -193,5 +204,6 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self._unref(block_id)
         seq.block_table = []
+        seq.table_epoch = 0
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0

@@ -151,6 +151,7 @@ class DecodeGraphs:
         buf.host("slot_mapping", b)[:] = -1
         buf.host("seq_lens", b)[:] = 0
         buf.host("block_tables", b, self.runner.max_blocks_per_seq)[:] = 0
+        self.runner.forget_block_tables()
         if key is not None:
             self._stage_lora_groups(b, [0], [], [], [])
         buf.commit()

@@ -47,6 +47,7 @@ class ModelRunner:
         self.max_num_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.buffers = self._make_buffers()
+        self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
         self.graphs = None  # loom.engine.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
         self.warmup = None  # loom.engine.warmup.WarmupReport once warm_up() ran
         self.num_blocks = self._num_kv_blocks()
@@ -126,8 +127,12 @@ class ModelRunner:
         left to the caller (a graph reads the buffers it was captured with). fill (async scheduling): input ids
         the step in flight is still sampling; staged here, written on the device by fill_ids() after the commit."""
         seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        s = len(seqs)
-        starts = np.fromiter((q.num_computed_tokens for q in seqs), dtype=np.int64, count=s)
+        s, d = len(seqs), batch.num_decode_seqs
+        # one pass over the sequences for what the arrays need: computed tokens, known tokens, blocks, table epoch
+        per_seq = np.fromiter(itertools.chain.from_iterable(
+            (q.num_computed_tokens, len(q.token_ids), len(q.block_table), q.table_epoch) for q in seqs),
+            dtype=np.int64, count=4 * s).reshape(s, 4)
+        starts, lens = per_seq[:, 0], per_seq[:, 2]
         ends = starts + counts
         cu = np.zeros(s + 1, dtype=np.int64)
         np.cumsum(counts, out=cu[1:])
@@ -136,20 +141,23 @@ class ModelRunner:
         buf = self.buffers
         buf.begin()
         ids = buf.host("input_ids", rows)
-        ids[:t] = np.fromiter((tok for q, a, b in zip(seqs, starts.tolist(), ends.tolist())
-                               for tok in q.token_ids[a:b]), dtype=np.int64, count=t)
-        seq_of_token = np.repeat(np.arange(s), counts)
         positions = buf.host("positions", rows)
-        positions[:t] = np.arange(t, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
+        st = starts.tolist()
+        # decodes (one token each) first: their token is the one at their start, their position that start
+        ids[:d] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st[:d])), dtype=np.int64, count=d)
+        if t == s:  # only single tokens (the usual decode step)
+            ids[d:t] = np.fromiter((q.token_ids[a] for q, a in zip(seqs[d:], st[d:])), dtype=np.int64, count=t - d)
+            seq_of_token = np.arange(s)
+            positions[:t] = starts
+        else:
+            ids[d:t] = np.fromiter(itertools.chain.from_iterable(
+                q.token_ids[a:b] for q, a, b in zip(seqs[d:], st[d:], ends[d:].tolist())), dtype=np.int64,
+                count=t - d)
+            seq_of_token = np.repeat(np.arange(s), counts)
+            positions[:t] = np.arange(t, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
         width = self.max_blocks_per_seq
         tables = buf.host("block_tables", max(s, rows if pad_to else 0), width)
-        # all block tables in one scatter (a per-row assignment costs ~1 us a sequence)
-        lens = np.fromiter((len(q.block_table) for q in seqs), dtype=np.int64, count=s)
-        nb = int(lens.sum())
-        row_start = np.zeros(s, dtype=np.int64)
-        np.cumsum(lens[:-1], out=row_start[1:])
-        tables[np.repeat(np.arange(s), lens), np.arange(nb) - np.repeat(row_start, lens)] = np.fromiter(
-            itertools.chain.from_iterable(q.block_table for q in seqs), dtype=np.int64, count=nb)
+        self._write_block_tables(tables, seqs, per_seq[:, 3], lens)
         bs = self.block_size
         slots = buf.host("slot_mapping", rows)
         slots[:t] = tables[seq_of_token, positions[:t] // bs].astype(np.int64) * bs + positions[:t] % bs
@@ -163,13 +171,13 @@ class ModelRunner:
             buf.host("fill_src", k)[:] = fill[1]
 
         # Sample only sequences whose known tokens are all computed after this step.
-        sampled = [i for i, q in enumerate(seqs) if ends[i] == q.num_tokens]
+        sampled_np = np.flatnonzero(ends == per_seq[:, 1])
+        sampled = sampled_np.tolist()
         n_rows = len(sampled) + (len(extra_rows) if extra_rows else 0)
         logits_idx = buf.host("logits_indices", n_rows)
-        logits_idx[:len(sampled)] = cu[1:][sampled] - 1
+        logits_idx[:len(sampled)] = cu[1:][sampled_np] - 1
         if extra_rows:  # more rows of the step's flat tokens (prompt logprobs), after the sampled ones
             logits_idx[len(sampled):] = extra_rows
-        d = batch.num_decode_seqs
         if pad_to is not None:
             return None, None, sampled  # the caller stages its LoRA rows and commits
         cu_h = buf.host("cu_seqlens", d + 1)
@@ -193,6 +201,34 @@ class ModelRunner:
         ids_dev = dev("input_ids", t)
         self.fill_ids(ids_dev, fill)
         return ids_dev, ctx, sampled
+
+    def _write_block_tables(self, tables: np.ndarray, seqs, epochs: np.ndarray, lens: np.ndarray) -> None:
+        """The step's block-table rows, kept from step to step: a row that held the same table (same epoch) when
+        this host slot was last written gets only the blocks appended since; other rows are written whole. A
+        decode step writes O(blocks added), not O(blocks), in one scatter."""
+        s = len(seqs)
+        cache = self._table_rows.get(self.buffers.slot)
+        if cache is None:  # per slot: [epoch, entries written] of every row (epoch 0 never matches)
+            cache = self._table_rows[self.buffers.slot] = np.zeros((2, self.max_num_seqs), np.int64)
+        same = (cache[0, :s] == epochs) & (epochs != 0)
+        have = np.where(same, np.minimum(cache[1, :s], lens), 0)
+        todo = np.flatnonzero(lens > have)
+        if len(todo):
+            lo, hi = have[todo], lens[todo]
+            cnt = hi - lo
+            total = int(cnt.sum())
+            first = np.zeros(len(todo), dtype=np.int64)
+            np.cumsum(cnt[:-1], out=first[1:])
+            vals = np.fromiter(itertools.chain.from_iterable(
+                seqs[i].block_table[a:b] for i, a, b in zip(todo.tolist(), lo.tolist(), hi.tolist())),
+                dtype=np.int64, count=total)
+            tables[np.repeat(todo, cnt), np.arange(total) - np.repeat(first - lo, cnt)] = vals
+        cache[0, :s] = epochs
+        cache[1, :s] = lens
+
+    def forget_block_tables(self) -> None:
+        """Someone else wrote the block-table buffer (a graph capture's padding): rewrite every row next time."""
+        self._table_rows.clear()
 
     def fill_ids(self, ids: torch.Tensor, fill: TokenFill | None) -> None:
         """Async scheduling: write the tokens the step in flight is sampling over their placeholders in the

@@ -28,6 +28,10 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    # Names this block table's contents for the model runner, which keeps the step's tables written from step to
+    # step: the block manager gives a new number whenever entries are set or replaced rather than appended
+    # (0: none yet, the runner writes the whole row).
+    table_epoch: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0

@@ -62,6 +62,11 @@ class StepBuffers:
         self._down_used: dict[torch.dtype, int] = {}
 
     @property
+    def slot(self) -> int:
+        """Which host slot this step writes (CUDA: two, used in turn; CPU: one)."""
+        return self._slot
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.dev.values())
 

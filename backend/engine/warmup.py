@@ -43,6 +43,7 @@ class _FakeSeq:
         self.token_ids = [0] * n
         self.num_computed_tokens = num_computed
         self.block_table = [block] * blocks
+        self.table_epoch = 0  # never cached by the runner: its row is written whole
 
     @property
     def num_tokens(self) -> int:

@@ -21,10 +21,11 @@ class ResponseState:
     prompt_ids: list[int]
     reasons: dict = field(default_factory=dict)  # completion index -> its finish reason once it ended
     cumulative: dict = field(default_factory=dict)  # completion index -> latest cumulative logprob
-    # the TTFT waterfall (time.monotonic()): request id, arrival in execute(), tokenized, submitted; the rest
-    # comes with the first delta
+    # the TTFT waterfall (time.monotonic()): request id, arrival in execute(), inputs read and parsed, tokenized,
+    # submitted; the rest comes with the first delta
     request_id: str = ""
     t_arrival: float = 0.0
+    t_parsed: float = 0.0
     t_tokenized: float = 0.0
     t_submitted: float = 0.0
     timing_logged: bool = False

@@ -15,8 +15,8 @@ class TimingLog:
         self._lock = threading.Lock()
 
     def write(self, state: ResponseState, timing: dict | None, t_sent: float) -> None:
-        rec = {"id": state.request_id, "arrival": state.t_arrival, "tokenized": state.t_tokenized,
-               "submitted": state.t_submitted, **(timing or {}), "first_sent": t_sent}
+        rec = {"id": state.request_id, "arrival": state.t_arrival, "parsed": state.t_parsed,
+               "tokenized": state.t_tokenized, "submitted": state.t_submitted, **(timing or {}), "first_sent": t_sent}
         with self._lock:
             self._f.write(json.dumps(rec) + "\n")
 

@@ -53,6 +53,24 @@ def workload():
     return prompts, params
 
 
+def check_block_tables(eng) -> list[int]:
+    """Wrap the runner's prepare: after every call, the step's block-table rows (kept from step to step, only
+    appended blocks written) must equal each sequence's block table. Returns a list counting the checks."""
+    runner, checked = eng.runner, []
+    prepare = runner.prepare
+
+    def checked_prepare(batch, *a, **kw):
+        out = prepare(batch, *a, **kw)
+        width = runner.max_blocks_per_seq
+        tables = runner.buffers.host("block_tables", len(batch.seqs), width)
+        for i, seq in enumerate(batch.seqs):
+            assert tables[i, :len(seq.block_table)].tolist() == seq.block_table, (i, seq.request_id)
+        checked.append(len(batch.seqs))
+        return out
+    runner.prepare = checked_prepare
+    return checked
+
+
 def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11)):
     cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=0, max_num_batched_tokens=48,
                        max_num_seqs=8, async_scheduling=mode.startswith("async"))
@@ -65,6 +83,7 @@ def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11
         eng.use_simple_sampling()
     if mode == "async_graphs":  # decode steps through the CUDA-graph path (static buffers, padded buckets)
         eng.runner.enable_graph_emulation()
+    checked = check_block_tables(eng)
     prompts, params = workload()
     got: dict = {}
     step = 0
@@ -83,6 +102,7 @@ def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11
         step += 1
         assert step < 2000
     assert_no_leak(eng)
+    assert checked
     return got, eng
 
 
@@ -115,6 +135,44 @@ def test_persistent_state_and_async_scheduling_match_the_simple_path(model_dir):
     graphed, eng_g = run(model_dir, "async_graphs")
     assert eng_g.runner.graphs.replays > 0
     assert_same(simple, graphed)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_block_table_rows_follow_every_table_change(model_dir, async_scheduling):
+    """The runner writes only the blocks appended since a row was last written; every other change of a table -
+    a prefix-cache hit at admission, a duplicate block adopted from the cache, preemption and re-admission, a
+    fork for n > 1, a finished sequence's row taken by another - must rewrite the row. Outputs equal a fresh
+    engine that runs each request alone (greedy, and seeded sampling for the n = 2 request)."""
+    per_block = 2 * 2 * 8 * 2 * 16 * 4
+    cfg = dict(model=model_dir, block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
+    eng = LLMEngine(EngineConfig(**cfg, kv_cache_memory_bytes=20 * per_block, async_scheduling=async_scheduling),
+                    load_tokenizer=False)
+    checked = check_block_tables(eng)
+    base = random_prompts([30], VOCAB, seed=21)[0]
+    prompts = [base, list(base), base + [5, 6, 7], base[:17]] + random_prompts([12, 26, 9], VOCAB, seed=22)
+    params = [SP(temperature=0.0, max_tokens=20, ignore_eos=True) for _ in prompts]
+    params[5] = SP(temperature=0.8, seed=3, n=2, max_tokens=20, ignore_eos=True)  # seeded: the same alone
+    outs: dict = {}
+    for step in range(400):
+        if step in (0, 3):  # the first four together (duplicate blocks in one step), the rest a little later
+            for i in (range(4) if step == 0 else range(4, len(prompts))):
+                eng.add_request(f"r{i}", prompts[i], params[i])
+        for o in eng.step():
+            outs.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+        if step > 3 and not eng.has_unfinished_requests():
+            break
+    assert eng.scheduler.num_preemptions > 0 and eng.block_manager._next_epoch > len(prompts) + 1
+    assert len(checked) > 20
+    assert_no_leak(eng)
+    for i, p in enumerate(prompts):  # greedy: each request alone gives the same tokens
+        alone = LLMEngine(EngineConfig(**cfg, kv_cache_memory_bytes=1 << 20), load_tokenizer=False)
+        alone.add_request("x", p, params[i])
+        want: dict = {}
+        while alone.has_unfinished_requests():
+            for o in alone.step():
+                want.setdefault(o.index, []).extend(o.new_token_ids)
+        for k, toks in want.items():
+            assert outs[(f"r{i}", k)] == toks, (i, k)
 
 
 def test_async_abort_and_stop_while_a_step_is_in_flight(model_dir):
