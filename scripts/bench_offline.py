@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402
-from peer_vllm_client import add_vllm_arguments, best, run_vllm_settings  # noqa: E402
+from peer_vllm_client import add_vllm_arguments, best, run_vllm_settings, setting_name  # noqa: E402
 
 import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 from harness.cpu_meter import CpuMeter  # noqa: E402
@@ -325,6 +325,13 @@ def report(res: dict, args) -> str:
             lines.append(f"TARGET loom with {t} compute thread(s) ({top}): {tp:.2f}x vLLM's tokens/s (>= 1.2), "
                          f"mean latency {lat:.2f}x (< 1), greedy tokens identical {ag['identical']}/{ag['total']}: "
                          f"{'met' if ok else 'NOT met'}")
+            same = setting_name({k: sysres[k] for k in _vllm_names(sysres)}, t)
+            if same is not None:  # the same comparison against vLLM computing on as many threads as loom
+                v = sysres[same]
+                tp_e = bc.ratio(r["tokens_per_s"], v["tokens_per_s"])
+                lat_e = bc.ratio(r["latency"]["mean"], v["latency"]["mean"])
+                lines.append(f"  at equal compute ({same}, {t} compute thread(s)): {tp_e:.2f}x its tokens/s, mean "
+                             f"latency {lat_e:.2f}x: {'met' if tp_e >= 1.2 and lat_e < 1.0 else 'NOT met'}")
         lines.append("start-up (model load + compile): " + ", ".join(
             f"{k} {sysres[k]['startup_s']:.1f}s" for k in sysres if "error" not in sysres[k] and
             sysres[k].get("startup_s") is not None))

@@ -88,3 +88,22 @@ def best(results: dict[str, dict]) -> str | None:
     """The name of the fastest successful run (tokens/s)."""
     ok = {k: v for k, v in results.items() if "error" not in v}
     return max(ok, key=lambda k: ok[k]["tokens_per_s"]) if ok else None
+
+
+def compute_threads(setting: str) -> int:
+    """The compute threads of a VLLM_CPU_OMP_THREADS_BIND setting: "auto" leaves one of the cores this process
+    may use to vLLM's engine core (as measured here: compute on one of two cores), a list such as "0,1" or "0-3"
+    computes on each CPU it names. For comparisons at equal compute."""
+    if setting == "auto":
+        return max(1, len(os.sched_getaffinity(0)) - 1)
+    n = 0
+    for part in setting.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
+
+
+def setting_name(results: dict[str, dict], threads: int) -> str | None:
+    """The name of the successful run ("<label> <setting>") whose setting computes on `threads` threads."""
+    ok = [k for k, v in results.items() if "error" not in v]
+    return next((k for k in ok if compute_threads(k.rsplit(" ", 1)[-1]) == threads), None)
