@@ -26,14 +26,15 @@ def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _group_tensors(meta) -> tuple[torch.Tensor, ...]:
-    """token_indices (int64), seg_starts, row_start, ranks (int32), scalings (float32), contiguous; converted once
-    per step (the meta is built once per step and read by every LoRA layer)."""
+    """token_indices (int64), seg_starts, row_start, ranks (int32), scalings (float32), contiguous: checked once per
+    step (the meta is built once per step and read by every LoRA layer). Only the meta's own tensors are kept
+    (a static meta updated in place stays current); a meta that needs converted copies gets them every call."""
     cached = meta.host_cache.get("cpu_lora")
     if cached is None:
-        cached = (_contiguous(meta.token_indices, torch.int64), _contiguous(meta.seg_starts, torch.int32),
-                  _contiguous(meta.row_start, torch.int32), _contiguous(meta.ranks, torch.int32),
-                  _contiguous(meta.scalings, torch.float32))
-        meta.host_cache["cpu_lora"] = cached
+        own = (meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings)
+        cached = tuple(_contiguous(x, dt) for x, dt in zip(own, (torch.int64,) + (torch.int32,) * 3 + (torch.float32,)))
+        if all(a is b for a, b in zip(cached, own)):
+            meta.host_cache["cpu_lora"] = cached
     return cached
 
 

@@ -152,6 +152,25 @@ def test_lora_cpu_vs_reference(threads, num_tokens, ranks, monkeypatch):
     assert kcases.rel_err(yw[:, :300] - y0, want - y0) < 1e-5
 
 
+@pytest.mark.parametrize("scal_dtype", [torch.float32, torch.float64])  # float64: the kernel needs a converted copy
+def test_lora_cpu_meta_updated_in_place(scal_dtype):
+    """A meta reused across steps with its tensors rewritten in place (the CUDA-graph path's static meta) gives
+    each call the current groups: what the kernel keeps of a meta is never a stale copy."""
+    from loom.kernels import cpu_lora
+
+    torch.manual_seed(1)
+    meta, R, _ = kcases.make_lora_meta(20, [4, 16, 8], "cpu")
+    meta.scalings = meta.scalings.to(scal_dtype)
+    offs = [0, 40]
+    x, a, b, y0 = torch.randn(20, 32), torch.randn(1, R, 32), torch.randn(R, 40), torch.randn(20, 40)
+    for scale in (1.0, 3.0):
+        meta.scalings.copy_(torch.tensor(meta.scalings_cpu) * scale)
+        meta.scalings_cpu = meta.scalings.tolist()
+        want = lora.lora_expand_ref(lora.lora_shrink_ref(x, a, meta), b, offs, meta, y0.clone())
+        got = cpu_lora.lora_apply_cpu(x, y0.clone(), a, b, offs, meta)
+        assert kcases.rel_err(got - y0, want - y0) < 1e-5, scale
+
+
 # ---- GEMM over packed weights ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("threads", [1, 2])
