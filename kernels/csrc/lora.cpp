@@ -8,8 +8,8 @@
 // FMA low: the shrink takes up to 3 tokens x 4 rank rows at a time (each x and A vector loaded once for all of
 // them), the expand up to 4 tokens x 16 columns (each B vector loaded once for all the tokens). A decode token
 // (a tile of one) reads its adapter's rows once, front to back; a prefill chunk on one adapter costs its FLOPs,
-// its A and B rows staying in cache across the tile. The rank-space products stay in float32 scratch, as in the
-// reference.
+// its A and B rows staying in cache across the tile. As in the reference, the rank-space products stay in float32
+// scratch and each token's delta is summed on its own before it is added to y (scaled) once.
 
 namespace {
 
@@ -44,15 +44,25 @@ inline void shrink_block(const float* const* x, const float* const* a, int64_t K
       for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a[j][k];
 }
 
-// y_i[c : c + 16] += sum_r coef_i[r] * b_r[c : c + 16] for TI token rows (b_r = b + r * ldb)
+// y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time
+inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, const float* b, int64_t ldb,
+                        int64_t rank, float sc, int64_t c0, int64_t c1) {
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t c = c0; c < c1; ++c) {
+      float d = 0.f;
+      for (int64_t r = 0; r < rank; ++r) d += coef[i][r] * b[r * ldb + c];
+      y[i][c] += sc * d;
+    }
+}
+
+// y_i[c : c + 16] += sc * sum_r coef_i[r] * b_r[c : c + 16] for TI token rows (b_r = b + r * ldb). The rank sum
+// is formed on its own and added to y once (as the reference adds its delta), not term by term into y.
 template <int TI>
-inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank) {
+inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank,
+                         float sc) {
 #ifdef __AVX2__
   __m256 acc[TI][2];
-  for (int i = 0; i < TI; ++i) {
-    acc[i][0] = _mm256_loadu_ps(y[i]);
-    acc[i][1] = _mm256_loadu_ps(y[i] + 8);
-  }
+  for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < rank; ++r) {
     const __m256 b0 = _mm256_loadu_ps(b + r * ldb), b1 = _mm256_loadu_ps(b + r * ldb + 8);
     for (int i = 0; i < TI; ++i) {
@@ -61,19 +71,19 @@ inline void expand_block(float* const* y, const float* const* coef, const float*
       acc[i][1] = _mm256_fmadd_ps(c, b1, acc[i][1]);
     }
   }
+  const __m256 s = _mm256_set1_ps(sc);
   for (int i = 0; i < TI; ++i) {
-    _mm256_storeu_ps(y[i], acc[i][0]);
-    _mm256_storeu_ps(y[i] + 8, acc[i][1]);
+    _mm256_storeu_ps(y[i], _mm256_fmadd_ps(s, acc[i][0], _mm256_loadu_ps(y[i])));
+    _mm256_storeu_ps(y[i] + 8, _mm256_fmadd_ps(s, acc[i][1], _mm256_loadu_ps(y[i] + 8)));
   }
 #else
-  for (int i = 0; i < TI; ++i)
-    for (int64_t r = 0; r < rank; ++r) axpy(y[i], b + r * ldb, coef[i][r], 16);
+  expand_cols(y, TI, coef, b, ldb, rank, sc, 0, 16);
 #endif
 }
 
-// The tile's shrink: buf[i * rank_pad + r] = sc * (x_i . a_r), rank rows in blocks of 4 (the last block repeats
+// The tile's shrink: buf[i * rank_pad + r] = x_i . a_r, rank rows in blocks of 4 (the last block repeats
 // its last row; the extra products land in the padding and are never read).
-void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, int64_t rank, float sc, float* buf,
+void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, int64_t rank, float* buf,
                  int64_t rank_pad) {
   float out[12];
   for (int64_t r0 = 0; r0 < rank; r0 += 4) {
@@ -87,38 +97,30 @@ void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, i
         default: shrink_block<1>(x + i0, ar, K, out); break;
       }
       for (int64_t i = 0; i < ti; ++i)
-        for (int j = 0; j < 4; ++j) buf[(i0 + i) * rank_pad + r0 + j] = sc * out[i * 4 + j];
+        for (int j = 0; j < 4; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out[i * 4 + j];
     }
   }
 }
 
-// The tile's expand over columns [c0, c1) of y and b: 16 at a time, then the tail by axpy
+// The tile's expand over columns [c0, c1) of y and b: 16 at a time, then the tail column by column
 void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad, const float* b, int64_t ldb,
-                 int64_t rank, int64_t c0, int64_t c1) {
-  if (nt == 1) {  // a decode token: B's rank rows streamed once each, front to back; y's row stays in L1
-    for (int64_t r = 0; r < rank; ++r) axpy(y[0] + c0, b + r * ldb + c0, buf[r], c1 - c0);
-    return;
-  }
+                 int64_t rank, float sc, int64_t c0, int64_t c1) {
+  const float* cf_all[LORA_MAX_TILE];
+  for (int64_t i = 0; i < nt; ++i) cf_all[i] = buf + i * rank_pad;
   int64_t c = c0;
   for (; c + 16 <= c1; c += 16)
     for (int64_t i0 = 0; i0 < nt; i0 += 4) {
       float* yr[4];
-      const float* cf[4];
       const int64_t ti = std::min<int64_t>(4, nt - i0);
-      for (int64_t i = 0; i < ti; ++i) {
-        yr[i] = y[i0 + i] + c;
-        cf[i] = buf + (i0 + i) * rank_pad;
-      }
+      for (int64_t i = 0; i < ti; ++i) yr[i] = y[i0 + i] + c;
       switch (ti) {
-        case 4: expand_block<4>(yr, cf, b + c, ldb, rank); break;
-        case 3: expand_block<3>(yr, cf, b + c, ldb, rank); break;
-        case 2: expand_block<2>(yr, cf, b + c, ldb, rank); break;
-        default: expand_block<1>(yr, cf, b + c, ldb, rank); break;
+        case 4: expand_block<4>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        case 3: expand_block<3>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        case 2: expand_block<2>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        default: expand_block<1>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
       }
     }
-  if (c < c1)
-    for (int64_t i = 0; i < nt; ++i)
-      for (int64_t r = 0; r < rank; ++r) axpy(y[i] + c, b + r * ldb + c, buf[i * rank_pad + r], c1 - c);
+  if (c < c1) expand_cols(y, nt, cf_all, b, ldb, rank, sc, c, c1);
 }
 
 }  // namespace
@@ -145,7 +147,7 @@ void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int6
   const int64_t rank_pad = (max_rank + 3) / 4 * 4;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
   {
-    std::vector<float> buf(tile * S * rank_pad);  // [slice][tile token][rank], pre-scaled
+    std::vector<float> buf(tile * S * rank_pad);  // [slice][tile token][rank]
     std::vector<const float*> xr(tile);
     std::vector<float*> yr(tile);
 #pragma omp for schedule(dynamic, 1)
@@ -156,11 +158,10 @@ void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int6
         yr[i] = y + tok[t0 + i] * ys;
       }
       for (int64_t s = 0; s < S; ++s)
-        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], scal[g], buf.data() + s * tile * rank_pad,
-                    rank_pad);
+        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data() + s * tile * rank_pad, rank_pad);
       for (int64_t s = 0; s < S; ++s)
         expand_tile(yr.data(), nt, buf.data() + s * tile * rank_pad, rank_pad, b + int64_t(rows[g]) * N, N, ranks[g],
-                    offs[s], offs[s + 1]);
+                    scal[g], offs[s], offs[s + 1]);
     }
   }
 }
