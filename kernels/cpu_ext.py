@@ -37,6 +37,7 @@ _SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise
 def source() -> str:
     return "\n".join((_CSRC / name).read_text() for name in _SOURCE_FILES)
 
+
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "loom_paged_decode": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64,
