@@ -149,5 +149,10 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t itself when it is already a contiguous CPU tensor of dtype (index arrays the kernels read), else a copy."""
+    return t if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" else t.to("cpu", dtype).contiguous()
+
+
 def nthreads() -> int:
     return torch.get_num_threads()

@@ -38,10 +38,6 @@ def _attention_fits(lib, q, k_cache, v_cache, out) -> bool:
             and (out is None or (cpu_ext.usable(out) and out.stride(-1) == 1)))
 
 
-def _i32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
 def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
     """k/v [T, KVH, D] into the caches at slot_mapping [T] (block * block_size + offset; -1 = skip), as
     store_kv_ref; one row copy per token."""
@@ -77,7 +73,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
         return out
     _, block_size, KVH, _ = k_cache.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
-    bt, sl = _i32(block_tables), _i32(seq_lens)
+    bt, sl = cpu_ext.contiguous(block_tables, torch.int32), cpu_ext.contiguous(seq_lens, torch.int32)
     lib.loom_paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
                           KVH, D, bt.data_ptr(), bt.shape[1], sl.data_ptr(), B, H, out.data_ptr(), out.stride(0),
                           out.stride(1), scale, window, cap, cpu_ext.nthreads())
@@ -99,7 +95,7 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
         return out
     _, block_size, KVH, _ = k_cache.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
-    cu, sl, bt = _i32(cu_seqlens_q), _i32(seq_lens), _i32(block_tables)
+    cu, sl, bt = (cpu_ext.contiguous(a, torch.int32) for a in (cu_seqlens_q, seq_lens, block_tables))
     lib.loom_paged_prefill(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                            block_size, KVH, D, cu.data_ptr(), sl.data_ptr(), sl.shape[0], bt.data_ptr(), bt.shape[1],
                            H, out.data_ptr(), out.stride(0), out.stride(1), scale, window, cap, PREFILL_TILE,

@@ -143,13 +143,12 @@ class ModelRunner:
         ids = buf.host("input_ids", rows)
         positions = buf.host("positions", rows)
         st = starts.tolist()
-        # decodes (one token each) first: their token is the one at their start, their position that start
-        ids[:d] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st[:d])), dtype=np.int64, count=d)
-        if t == s:  # only single tokens (the usual decode step)
-            ids[d:t] = np.fromiter((q.token_ids[a] for q, a in zip(seqs[d:], st[d:])), dtype=np.int64, count=t - d)
+        if t == s:  # one token per sequence (the usual decode step): the token at its start, at that position
+            ids[:t] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st)), dtype=np.int64, count=t)
             seq_of_token = np.arange(s)
             positions[:t] = starts
-        else:
+        else:  # decodes (one token each) first, then the prefill slices
+            ids[:d] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st[:d])), dtype=np.int64, count=d)
             ids[d:t] = np.fromiter(itertools.chain.from_iterable(
                 q.token_ids[a:b] for q, a, b in zip(seqs[d:], st[d:], ends[d:].tolist())), dtype=np.int64,
                 count=t - d)

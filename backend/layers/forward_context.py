@@ -6,7 +6,7 @@ threading metadata through every signature.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +37,6 @@ class LoraBatchMeta:
     # step targets; the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
     module_groups: frozenset[str] | None = None
     experts: "LoraBatchMeta | None" = None  # the expert-row grouping; None = no adapter of the step targets experts
-    # What a kernel derives from this meta once per step and every layer reuses (e.g. the CPU kernel's int32 copies).
-    host_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
