@@ -126,16 +126,24 @@ class ModelRunner:
         position 0, slot -1 (nothing stored), context length 0 (attention returns zeros) - and the context is
         left to the caller (a graph reads the buffers it was captured with). fill (async scheduling): input ids
         the step in flight is still sampling; staged here, written on the device by fill_ids() after the commit."""
-        seqs, counts = batch.seqs, np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
-        s, d = len(seqs), batch.num_decode_seqs
-        # one pass over the sequences for what the arrays need: computed tokens, known tokens, blocks, table epoch
+        seqs, s, d = batch.seqs, len(batch.seqs), batch.num_decode_seqs
+        decode_only = d == s  # one token per sequence (the usual decode step)
+        counts = np.ones(s, np.int64) if decode_only else np.asarray(batch.num_scheduled_tokens, dtype=np.int64)
+        # one pass over the sequences for what the arrays need: computed tokens, known tokens, blocks, table epoch,
+        # last known token (the input of a sequence that computes its last token)
         per_seq = np.fromiter(itertools.chain.from_iterable(
-            (q.num_computed_tokens, len(q.token_ids), len(q.block_table), q.table_epoch) for q in seqs),
-            dtype=np.int64, count=4 * s).reshape(s, 4)
+            (q.num_computed_tokens, len(tl := q.token_ids), len(q.block_table), q.table_epoch, tl[-1]) for q in seqs),
+            dtype=np.int64, count=5 * s).reshape(s, 5)
         starts, lens = per_seq[:, 0], per_seq[:, 2]
         ends = starts + counts
-        cu = np.zeros(s + 1, dtype=np.int64)
-        np.cumsum(counts, out=cu[1:])
+        # Sample only sequences whose known tokens are all computed after this step.
+        sampled_np = np.flatnonzero(ends == per_seq[:, 1])
+        all_sampled = len(sampled_np) == s
+        if decode_only:
+            cu = np.arange(s + 1, dtype=np.int64)
+        else:
+            cu = np.zeros(s + 1, dtype=np.int64)
+            np.cumsum(counts, out=cu[1:])
         t = int(cu[-1])
         rows = t if pad_to is None else pad_to
         buf = self.buffers
@@ -143,8 +151,11 @@ class ModelRunner:
         ids = buf.host("input_ids", rows)
         positions = buf.host("positions", rows)
         st = starts.tolist()
-        if t == s:  # one token per sequence (the usual decode step): the token at its start, at that position
-            ids[:t] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st)), dtype=np.int64, count=t)
+        if t == s:  # one token per sequence: the token at its start, at that position
+            if all_sampled:  # ... which is its last known token
+                ids[:t] = per_seq[:, 4]
+            else:
+                ids[:t] = np.fromiter((q.token_ids[a] for q, a in zip(seqs, st)), dtype=np.int64, count=t)
             seq_of_token = np.arange(s)
             positions[:t] = starts
         else:  # decodes (one token each) first, then the prefill slices
@@ -169,12 +180,10 @@ class ModelRunner:
             buf.host("fill_pos", k)[:] = fill[0]
             buf.host("fill_src", k)[:] = fill[1]
 
-        # Sample only sequences whose known tokens are all computed after this step.
-        sampled_np = np.flatnonzero(ends == per_seq[:, 1])
         sampled = sampled_np.tolist()
         n_rows = len(sampled) + (len(extra_rows) if extra_rows else 0)
         logits_idx = buf.host("logits_indices", n_rows)
-        logits_idx[:len(sampled)] = cu[1:][sampled_np] - 1
+        logits_idx[:len(sampled)] = (cu[1:] if all_sampled else cu[1:][sampled_np]) - 1
         if extra_rows:  # more rows of the step's flat tokens (prompt logprobs), after the sampled ones
             logits_idx[len(sampled):] = extra_rows
         if pad_to is not None:

@@ -55,6 +55,7 @@ class StepBuffers:
         self._np = [{dt: t.numpy() for dt, t in slot.items()} for slot in self._slots]
         self._slot = 0
         self._used: dict[torch.dtype, int] = {}
+        self._views: dict[str, tuple[int, int | None, torch.Tensor]] = {}  # device_view's last view per field
         # per slot, grown on demand: pinned space for upload() and download(), and how much of it this step used
         self._up = [{}, {}]
         self._down = [{}, {}]
@@ -91,11 +92,19 @@ class StepBuffers:
         return a.reshape(n, cols) if cols is not None else a
 
     def device_view(self, name: str, n: int, cols: int | None = None) -> torch.Tensor:
-        """The device tensor of the first n elements (n rows of cols) of a field: what kernels read."""
+        """The device tensor of the first n elements (n rows of cols) of a field: what kernels read. The last view
+        of each field is kept: a decode batch asks for the same shapes step after step (a torch slice costs
+        microseconds, seven of them a step)."""
+        hit = self._views.get(name)
+        if hit is not None and hit[0] == n and hit[1] == cols:
+            return hit[2]
         f = self.fields[name]
         count = n * cols if cols is not None else n
         t = self.dev[f.dtype][f.offset:f.offset + count]
-        return t.view(n, cols) if cols is not None else t
+        if cols is not None:
+            t = t.view(n, cols)
+        self._views[name] = (n, cols, t)
+        return t
 
     def commit(self) -> None:
         """Copy what this step wrote to the device (asynchronously, on the current stream)."""
