@@ -36,6 +36,12 @@ class PackedWeight:
         fn = torch.ops.loom.linear_packed if torch.compiler.is_compiling() else linear_packed
         return fn(x, self.panels, self.bias, self.out_features)
 
+    def with_lora(self, x, lora_a, lora_b, slice_offsets, meta) -> torch.Tensor:
+        """self(x) plus the step's LoRA deltas (eager), added to the GEMM's output tiles (kernels/cpu_lora.py)."""
+        from loom.kernels.cpu_lora import linear_lora_cpu
+
+        return linear_lora_cpu(x, self.panels, self.bias, self.out_features, lora_a, lora_b, slice_offsets, meta)
+
 
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                   out_features: int) -> torch.Tensor:

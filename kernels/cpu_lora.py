@@ -5,6 +5,11 @@ of A and B in place in the pools once, and keeps the rank-space products in scra
 through memory, no gathered copy of x, no [tokens, out] delta). A decode step with one token per adapter and a
 prefill chunk of 2,048 tokens on one adapter take the same path. Same result as lora_shrink_ref followed by
 lora_expand_ref; anything the C++ kernel does not take runs those references.
+
+A layer whose weight is packed for the C++ GEMM (kernels/cpu_linear.py) calls linear_lora_cpu instead: the GEMM
+adds the deltas of groups of FUSE_MIN_TOKENS or more tokens to its output tiles while they are in cache (a
+prefill chunk's output is not read back from memory for its LoRA); smaller groups (decode) take the pass above
+after the GEMM. Bitwise the same as the GEMM followed by lora_apply_cpu.
 """
 from __future__ import annotations
 
@@ -15,26 +20,67 @@ import torch
 from loom.kernels import cpu_ext
 from loom.kernels.lora import lora_expand_ref, lora_shrink_ref
 
+# groups of at least this many tokens get their deltas in the GEMM's output tiles (fewer: their own pass)
+FUSE_MIN_TOKENS = 16
+
 
 @functools.lru_cache(maxsize=64)
 def _offsets(slice_offsets: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(slice_offsets, dtype=torch.int64)
 
 
+def _takes(lib, x, lora_a, lora_b, *outs) -> bool:
+    """Whether the C++ LoRA kernels take these tensors (float32 CPU, rows of x and the outputs contiguous, pools
+    contiguous)."""
+    return (lib is not None and cpu_ext.usable(x, lora_a, lora_b, *outs) and x.stride(-1) == 1
+            and all(o.stride(-1) == 1 for o in outs) and lora_a.is_contiguous() and lora_b.is_contiguous())
+
+
+def _groups(meta, slice_offsets):
+    """The index arrays the kernels read: slice offsets, token indices, segments, rows, ranks, scalings."""
+    return (_offsets(tuple(int(o) for o in slice_offsets)), cpu_ext.contiguous(meta.token_indices, torch.int64),
+            *(cpu_ext.contiguous(t, torch.int32) for t in (meta.seg_starts, meta.row_start, meta.ranks)),
+            cpu_ext.contiguous(meta.scalings, torch.float32))
+
+
 def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):
     """y[tokens of group g] += scaling_g * (x @ A_g^T) @ B_g per output slice, in place; returns y."""
     lib = cpu_ext.load()
-    if lib is None or not cpu_ext.usable(x, y, lora_a, lora_b) or x.stride(-1) != 1 or y.stride(-1) != 1 \
-            or not lora_a.is_contiguous() or not lora_b.is_contiguous():
+    if not _takes(lib, x, lora_a, lora_b, y):
         return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)
     if meta.num_groups == 0 or meta.token_indices.numel() == 0:
         return y
-    offs = _offsets(tuple(int(o) for o in slice_offsets))
-    tok = cpu_ext.contiguous(meta.token_indices, torch.int64)
-    seg, rows, ranks = (cpu_ext.contiguous(t, torch.int32) for t in (meta.seg_starts, meta.row_start, meta.ranks))
-    scal = cpu_ext.contiguous(meta.scalings, torch.float32)
+    offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
     lib.loom_lora_apply(x.data_ptr(), x.stride(0), lora_a.data_ptr(), S, R, K, lora_b.data_ptr(), lora_b.shape[1],
                         offs.data_ptr(), y.data_ptr(), y.stride(0), tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
                         ranks.data_ptr(), scal.data_ptr(), meta.num_groups, cpu_ext.nthreads())
     return y
+
+
+def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets, meta):
+    """The packed GEMM (kernels/cpu_linear.py) plus the LoRA deltas of meta's groups: bitwise what lora_apply_cpu
+    adds to its output, but a group of at least FUSE_MIN_TOKENS tokens (a prefill chunk) has its deltas added to
+    each GEMM output tile while the tile is in cache, so y (2,048 tokens x 3,072 columns is 25 MB) is not read
+    back from memory and written again for them."""
+    from loom.kernels.cpu_linear import linear_packed
+
+    lib = cpu_ext.load()
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not _takes(lib, x2, lora_a, lora_b) or meta.num_groups == 0 or meta.token_indices.numel() == 0:
+        y = linear_packed(x, panels, bias, out_features)
+        return lora_apply_cpu(x2, y.view(-1, out_features), lora_a, lora_b, slice_offsets, meta).view(y.shape)
+    offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
+    S, R, K = lora_a.shape
+    T = x2.shape[0]
+    fused = meta.max_seg_len >= FUSE_MIN_TOKENS
+    rank_pad = -(-(max(meta.ranks_cpu) if meta.ranks_cpu else int(meta.ranks.max())) // 4) * 4 if fused else 0
+    coef = torch.empty(T if fused else 0, S * rank_pad)  # the fused groups' shrink coefficients
+    y = torch.empty((T, out_features), dtype=torch.float32)
+    lib.loom_gemm_lora(x2.data_ptr(), x2.stride(0), T, K, panels.data_ptr(), out_features,
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(), R,
+                       lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
+                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, coef.data_ptr(), rank_pad,
+                       FUSE_MIN_TOKENS if fused else T + 1, cpu_ext.nthreads())
+    return y.view(*shape[:-1], out_features)

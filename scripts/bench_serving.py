@@ -58,8 +58,8 @@ AIPERF_VENV = bc.REPO_ROOT / ".cache" / "aiperf-venv"
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="sweep", choices=("sweep", "rate", "lora", "aiperf", "waterfall", "all"))
-    ap.add_argument("--waterfall-concurrency", type=int, nargs="+", default=[1, 4, 16],
-                    help="waterfall mode: concurrency levels")
+    ap.add_argument("--waterfall-concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                    help="waterfall mode: concurrency levels (the issue: TTFT at 1, 4, 16; tokens/s at 16, 64)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="sweep levels")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="rate mode: requests/s")
     ap.add_argument("--max-concurrency", type=int, default=0, help="rate mode: cap on requests in flight (0 = none)")

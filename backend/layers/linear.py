@@ -6,7 +6,7 @@ grouping of tokens by adapter comes from the forward context (under torch.compil
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,23 +30,43 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
-        self.dense: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # set by the engine on CPU: a GEMM over a packed copy of the weight, dense(x) and dense.with_lora(...)
+        # (kernels/cpu_linear.PackedWeight)
+        self.dense = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # `dense`: set by the engine on CPU to a GEMM over a packed copy of the weight (kernels/cpu_linear.py)
-        y = F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
         if self.lora_a is not None:
-            fn = torch.ops.loom.apply_lora if torch.compiler.is_compiling() else apply_lora
-            fn(x, y, self.lora_a, self.lora_b, self.slice_offsets, self.lora_group)
-        return y
+            if torch.compiler.is_compiling():
+                y = self._base(x)
+                torch.ops.loom.apply_lora(x, y, self.lora_a, self.lora_b, self.slice_offsets, self.lora_group)
+                return y
+            meta = step_lora(self.lora_group)
+            if meta is not None:
+                if self.dense is not None:  # the deltas added to the GEMM's output tiles
+                    return self.dense.with_lora(x, self.lora_a, self.lora_b, self.slice_offsets, meta)
+                y = self._base(x)
+                lora_apply(x, y, self.lora_a, self.lora_b, self.slice_offsets, meta)
+                return y
+        return self._base(x)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
+
+
+def step_lora(group: Optional[str]):
+    """This step's LoRA grouping (LoraBatchMeta) if some token has an adapter targeting `group`, else None."""
+    meta = get_forward_context().lora
+    if meta is not None and meta.token_indices.numel() > 0 and \
+            (meta.module_groups is None or group in meta.module_groups):
+        return meta
+    return None
 
 
 def apply_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slice_offsets: list[int],
                group: Optional[str]) -> None:
     """y += this step's LoRA deltas for the tokens that have an adapter targeting `group` (in place)."""
-    meta = get_forward_context().lora
-    if meta is not None and meta.token_indices.numel() > 0 and \
-            (meta.module_groups is None or group in meta.module_groups):
+    meta = step_lora(group)
+    if meta is not None:
         lora_apply(x, y, lora_a, lora_b, slice_offsets, meta)
 
 

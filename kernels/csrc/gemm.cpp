@@ -44,6 +44,101 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, fl
 }
 #endif
 
+// The LoRA deltas a packed GEMM adds to its output tiles while they are in L1 (loom_gemm_lora): per token its
+// adapter's B rows (-1: none), rank and scaling, and its shrink coefficients (loom_lora_shrink).
+struct LoraEpilogue {
+  const float* coef;
+  int64_t coef_ld, rank_pad;
+  const float* b;  // B pool [rows, N]
+  const int64_t* offs;  // slice column offsets [S + 1]
+  int64_t S;
+  std::vector<int32_t> row, rank;
+  std::vector<float> scale;
+
+  // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice
+  void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
+#ifdef __AVX2__
+    if (c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
+      for (int64_t s = 0; s < S; ++s)
+        if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
+          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + int64_t(row[m]) * N + c0, N, rank[m],
+                scale[m]);
+          return;
+        }
+    }
+#endif
+    for (int64_t i = 0; i < mr; ++i) {
+      const int64_t t = m + i;
+      if (row[t] < 0) continue;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
+        if (lo >= hi) continue;
+        const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
+        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + int64_t(row[t]) * N, N, rank[t], scale[t], lo,
+                   hi, vec_end);
+      }
+    }
+  }
+
+  bool same_group(int64_t m, int64_t n) const {
+    for (int64_t i = 1; i < n; ++i)
+      if (row[m + i] != row[m] || rank[m + i] != rank[m] || scale[m + i] != scale[m]) return false;
+    return true;
+  }
+
+#ifdef __AVX2__
+  // 4 rows x 24 columns of one group, in the 16-wide part of their slice: 12 independent fma chains over the rank
+  // (each column's arithmetic as expand_block's), every B vector loaded once for the 4 rows
+  void tile4(float* y, int64_t ldc, const float* cf, const float* bb, int64_t ldb, int64_t rk, float sc) const {
+    __m256 acc[4][3];
+    for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rk; ++r) {
+      const __m256 b0 = _mm256_loadu_ps(bb + r * ldb), b1 = _mm256_loadu_ps(bb + r * ldb + 8),
+                   b2 = _mm256_loadu_ps(bb + r * ldb + 16);
+      _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
+        const __m256 c = _mm256_broadcast_ss(cf + i * coef_ld + r);
+        acc[i][0] = _mm256_fmadd_ps(c, b0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(c, b1, acc[i][1]);
+        acc[i][2] = _mm256_fmadd_ps(c, b2, acc[i][2]);
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(sc);
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i)
+      _Pragma("GCC unroll 3") for (int v = 0; v < 3; ++v) {
+        float* yr = y + i * ldc + 8 * v;
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(sv, acc[i][v], _mm256_loadu_ps(yr)));
+      }
+  }
+#endif
+};
+
+void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
+          int64_t ldc, int nthreads, const LoraEpilogue* lora) {
+  constexpr int MR = 4;
+  const int64_t P = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
+  const int64_t panel_lines = (K * NR * 4 + 63) / 64, per_tile = (panel_lines + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t p = 0; p < P; ++p) {
+    const float* B = Bp + p * K * NR;
+    const char* next = reinterpret_cast<const char*>(p + 1 < P ? B + K * NR : B);
+    const int64_t nc = std::min(NR, N - p * NR);
+    const float* bp = bias ? bias + p * NR : nullptr;
+    for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
+      const int64_t lo = std::min(panel_lines, t * per_tile), n = std::min(panel_lines, lo + per_tile) - lo;
+      const float* a = A + m * lda;
+      float* c = C + m * ldc + p * NR;
+      const int64_t mr = std::min<int64_t>(MR, M - m);
+      switch (mr) {
+        case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+        case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+        case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+        default: gemm_tile<1>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+      }
+      if (lora) lora->apply(C, ldc, N, m, mr, p * NR, p * NR + nc);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -63,27 +158,55 @@ void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
 // parallel over panels.
 void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                float* C, int64_t ldc, int nthreads) {
-  constexpr int MR = 4;
-  const int64_t P = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
-  const int64_t panel_lines = (K * NR * 4 + 63) / 64, per_tile = (panel_lines + tiles - 1) / tiles;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t p = 0; p < P; ++p) {
-    const float* B = Bp + p * K * NR;
-    const char* next = reinterpret_cast<const char*>(p + 1 < P ? B + K * NR : B);
-    const int64_t nc = std::min(NR, N - p * NR);
-    const float* bp = bias ? bias + p * NR : nullptr;
-    for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
-      const int64_t lo = std::min(panel_lines, t * per_tile), n = std::min(panel_lines, lo + per_tile) - lo;
-      const float* a = A + m * lda;
-      float* c = C + m * ldc + p * NR;
-      switch (std::min<int64_t>(MR, M - m)) {
-        case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        default: gemm_tile<1>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-      }
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, nullptr);
+}
+
+// loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
+// G) as loom_lora_apply, the B pool b [rows, N], slice offsets offs [S + 1]; bitwise loom_gemm followed by
+// loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas added to each output tile
+// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients go to
+// coef [M, S * rank_pad] first); smaller groups (decode tokens, each reading its own adapter's rows) take
+// loom_lora_apply's pass afterwards, which streams each adapter's B rows front to back.
+void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
+                    float* C, int64_t ldc, const float* a, int64_t R, const float* b, const int64_t* offs, int64_t S,
+                    const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                    const float* scal, int64_t G, float* coef, int64_t rank_pad, int64_t fuse_min, int nthreads) {
+  // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
+  struct Split {
+    std::vector<int64_t> tok;
+    std::vector<int32_t> seg{0}, rows, ranks;
+    std::vector<float> scal;
+    void add(const int64_t* t, int64_t n, int32_t row, int32_t rank, float sc) {
+      tok.insert(tok.end(), t, t + n);
+      seg.push_back(int32_t(tok.size()));
+      rows.push_back(row);
+      ranks.push_back(rank);
+      scal.push_back(sc);
     }
+    int64_t groups() const { return int64_t(rows.size()); }
+  } big, small;
+  for (int64_t g = 0; g < G; ++g) {
+    if (ranks[g] <= 0) continue;
+    const int64_t n = seg[g + 1] - seg[g];
+    (n >= fuse_min ? big : small).add(tok + seg[g], n, rows[g], ranks[g], scal[g]);
   }
+  const int64_t coef_ld = S * rank_pad;
+  LoraEpilogue ep{coef, coef_ld, rank_pad, b, offs, S, std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0),
+                  std::vector<float>(M, 0.f)};
+  if (big.groups()) {
+    loom_lora_shrink(A, lda, a, S, R, K, big.tok.data(), big.seg.data(), big.rows.data(), big.ranks.data(),
+                     big.groups(), coef, coef_ld, rank_pad, nthreads);
+    for (int64_t g = 0; g < big.groups(); ++g)
+      for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) {
+        ep.row[big.tok[i]] = big.rows[g];
+        ep.rank[big.tok[i]] = big.ranks[g];
+        ep.scale[big.tok[i]] = big.scal[g];
+      }
+  }
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr);
+  if (small.groups())
+    loom_lora_apply(A, lda, a, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
+                    small.ranks.data(), small.scal.data(), small.groups(), nthreads);
 }
 
 }  // extern "C"

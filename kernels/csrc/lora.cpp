@@ -123,6 +123,70 @@ void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad
   if (c < c1) expand_cols(y, nt, cf_all, b, ldb, rank, sc, c, c1);
 }
 
+// One token's delta over columns [c0, c1) of its y row (all in one slice), with expand_tile's arithmetic column for
+// column: a column in the 16-wide part of its slice (c < vec_end) sums the rank with fused multiply-adds and adds
+// sc * delta fused; a tail column (and every column without AVX2) multiplies and adds separately. So a GEMM that adds
+// the delta to its output tile (loom_gemm_lora) gives bitwise what loom_lora_apply adds to that output.
+inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb, int64_t rank, float sc, int64_t c0,
+                       int64_t c1, int64_t vec_end) {
+  int64_t c = c0;
+#ifdef __AVX2__
+  const int64_t v1 = std::min(c1, vec_end);
+  for (; c + 24 <= v1; c += 24) {  // three independent fma chains
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m256 cr = _mm256_broadcast_ss(coef + r);
+      const float* br = b + r * ldb + c;
+      a0 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br), a0);
+      a1 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 8), a1);
+      a2 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 16), a2);
+    }
+    const __m256 sv = _mm256_set1_ps(sc);
+    _mm256_storeu_ps(y + c, _mm256_fmadd_ps(sv, a0, _mm256_loadu_ps(y + c)));
+    _mm256_storeu_ps(y + c + 8, _mm256_fmadd_ps(sv, a1, _mm256_loadu_ps(y + c + 8)));
+    _mm256_storeu_ps(y + c + 16, _mm256_fmadd_ps(sv, a2, _mm256_loadu_ps(y + c + 16)));
+  }
+  for (; c + 8 <= v1; c += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rank; ++r)
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(coef + r), _mm256_loadu_ps(b + r * ldb + c), acc);
+    _mm256_storeu_ps(y + c, _mm256_fmadd_ps(_mm256_set1_ps(sc), acc, _mm256_loadu_ps(y + c)));
+  }
+  for (; c < v1; ++c) {
+    float d = 0.f;
+    for (int64_t r = 0; r < rank; ++r) d = std::fma(coef[r], b[r * ldb + c], d);
+    y[c] = std::fma(sc, d, y[c]);
+  }
+#else
+  (void)vec_end;
+#endif
+  for (; c < c1; ++c) {
+    float d = 0.f;
+    for (int64_t r = 0; r < rank; ++r) d += coef[r] * b[r * ldb + c];
+    y[c] += sc * d;
+  }
+}
+
+// Work items of a LoRA pass: tiles of up to LORA_MAX_TILE tokens of one group with a rank (fewer tokens per tile
+// when that would leave threads idle).
+struct LoraItems {
+  std::vector<int64_t> g, t0;
+  int64_t tile = 1, max_rank = 0;
+  LoraItems(const int32_t* seg, const int32_t* ranks, int64_t G, int nthreads) {
+    const int64_t per_thread = (seg[G] - seg[0] + nthreads - 1) / std::max(1, nthreads);
+    tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(1, per_thread));
+    for (int64_t k = 0; k < G; ++k) {
+      if (ranks[k] <= 0) continue;
+      max_rank = std::max<int64_t>(max_rank, ranks[k]);
+      for (int64_t t = seg[k]; t < seg[k + 1]; t += tile) {
+        g.push_back(k);
+        t0.push_back(t);
+      }
+    }
+  }
+  int64_t size() const { return int64_t(g.size()); }
+};
+
 }  // namespace
 
 extern "C" {
@@ -130,21 +194,10 @@ extern "C" {
 void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const float* b,
                      int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok, const int32_t* seg,
                      const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G, int nthreads) {
-  std::vector<int64_t> item_g, item_t0;
-  int64_t max_rank = 0;
-  const int64_t per_thread = (seg[G] - seg[0] + nthreads - 1) / std::max(1, nthreads);
-  const int64_t tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(1, per_thread));
-  for (int64_t g = 0; g < G; ++g) {
-    if (ranks[g] <= 0) continue;
-    max_rank = std::max<int64_t>(max_rank, ranks[g]);
-    for (int64_t t = seg[g]; t < seg[g + 1]; t += tile) {
-      item_g.push_back(g);
-      item_t0.push_back(t);
-    }
-  }
-  const int64_t n_items = int64_t(item_g.size());
+  const LoraItems items(seg, ranks, G, nthreads);
+  const int64_t n_items = items.size(), tile = items.tile;
   if (n_items == 0) return;
-  const int64_t rank_pad = (max_rank + 3) / 4 * 4;
+  const int64_t rank_pad = (items.max_rank + 3) / 4 * 4;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
   {
     std::vector<float> buf(tile * S * rank_pad);  // [slice][tile token][rank]
@@ -152,7 +205,7 @@ void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int6
     std::vector<float*> yr(tile);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) {
-      const int64_t g = item_g[w], t0 = item_t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
+      const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
       for (int64_t i = 0; i < nt; ++i) {
         xr[i] = x + tok[t0 + i] * xs;
         yr[i] = y + tok[t0 + i] * ys;
@@ -162,6 +215,32 @@ void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int6
       for (int64_t s = 0; s < S; ++s)
         expand_tile(yr.data(), nt, buf.data() + s * tile * rank_pad, rank_pad, b + int64_t(rows[g]) * N, N, ranks[g],
                     scal[g], offs[s], offs[s + 1]);
+    }
+  }
+}
+
+// The shrink alone: coef[tok * coef_ld + s * rank_pad + r] = x[tok] . a[s, rows[g] + r] for the tokens of group
+// g, r < ranks[g] (rank_pad >= every rank rounded up to 4; entries past a token's rank are scratch). Tokens of no
+// group are not written. With loom_gemm_lora, the LoRA of a packed linear layer without a pass over y of its own.
+void loom_lora_shrink(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const int64_t* tok,
+                      const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G, float* coef,
+                      int64_t coef_ld, int64_t rank_pad, int nthreads) {
+  const LoraItems items(seg, ranks, G, nthreads);
+  const int64_t n_items = items.size(), tile = items.tile;
+  if (n_items == 0) return;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
+  {
+    std::vector<float> buf(tile * rank_pad);
+    std::vector<const float*> xr(tile);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
+      for (int64_t i = 0; i < nt; ++i) xr[i] = x + tok[t0 + i] * xs;
+      for (int64_t s = 0; s < S; ++s) {
+        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data(), rank_pad);
+        for (int64_t i = 0; i < nt; ++i)
+          std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad, rank_pad * sizeof(float));
+      }
     }
   }
 }
