@@ -494,12 +494,18 @@ def main(argv=None) -> int:
             data["baseline"] = base
             report.append(f"baseline: {base['dir']} at {base['commit']} (same sizes, its own script)\n"
                           + base["report"])
-            by = {(r["num_seqs"]): r for r in base["results"]}
-            cmp_rows = [[r["num_seqs"], by[r["num_seqs"]]["step_us"], r["step_us"],
-                         bc.ratio(r["step_us"], by[r["num_seqs"]]["step_us"])]
-                        for r in results if r["path"] == "persistent" and r["num_seqs"] in by]
-            report.append("step us: baseline vs this tree (persistent path)\n"
-                          + bc.table(["running seqs", "baseline", "this", "this / baseline"], cmp_rows, 2))
+            by = {(r["num_seqs"], r.get("path", "persistent")): r for r in base["results"]}
+            cmp_rows = []
+            for r in results:
+                b = by.get((r["num_seqs"], r["path"]))
+                if r["path"] != "persistent" or b is None:
+                    continue
+                sp, bsp = r["schedule_us"] + r["prepare_us"], b["schedule_us"] + b["prepare_us"]
+                cmp_rows.append([r["num_seqs"], b["step_us"], r["step_us"], bc.ratio(r["step_us"], b["step_us"]),
+                                 b["host_us"], r["host_us"], bsp, sp, bc.ratio(sp, bsp)])
+            report.append("us per step: baseline vs this tree (persistent path)\n"
+                          + bc.table(["running seqs", "step base", "step this", "this / base", "host base",
+                                      "host this", "sched+prep base", "sched+prep this", "this / base"], cmp_rows, 2))
     text = "\n\n".join(report)
     print(text, flush=True)
     data["report"] = text
