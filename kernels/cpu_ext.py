@@ -53,7 +53,7 @@ _SIGNATURES = {
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32],
     "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64,
-                       _P, _I64, _I64, _I32],
+                       _I64, _I32],
 }
 
 

@@ -74,13 +74,9 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
     offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
     T = x2.shape[0]
-    fused = meta.max_seg_len >= FUSE_MIN_TOKENS
-    rank_pad = -(-(max(meta.ranks_cpu) if meta.ranks_cpu else int(meta.ranks.max())) // 4) * 4 if fused else 0
-    coef = torch.empty(T if fused else 0, S * rank_pad)  # the fused groups' shrink coefficients
     y = torch.empty((T, out_features), dtype=torch.float32)
     lib.loom_gemm_lora(x2.data_ptr(), x2.stride(0), T, K, panels.data_ptr(), out_features,
                        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(), R,
                        lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
-                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, coef.data_ptr(), rank_pad,
-                       FUSE_MIN_TOKENS if fused else T + 1, cpu_ext.nthreads())
+                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, FUSE_MIN_TOKENS, cpu_ext.nthreads())
     return y.view(*shape[:-1], out_features)

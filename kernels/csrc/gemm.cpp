@@ -164,13 +164,13 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
 // loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
 // G) as loom_lora_apply, the B pool b [rows, N], slice offsets offs [S + 1]; bitwise loom_gemm followed by
 // loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas added to each output tile
-// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients go to
-// coef [M, S * rank_pad] first); smaller groups (decode tokens, each reading its own adapter's rows) take
-// loom_lora_apply's pass afterwards, which streams each adapter's B rows front to back.
+// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients are
+// computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own adapter's
+// rows) take loom_lora_apply's pass afterwards, which streams each adapter's B rows front to back.
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, const float* a, int64_t R, const float* b, const int64_t* offs, int64_t S,
                     const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
-                    const float* scal, int64_t G, float* coef, int64_t rank_pad, int64_t fuse_min, int nthreads) {
+                    const float* scal, int64_t G, int64_t fuse_min, int nthreads) {
   // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
   struct Split {
     std::vector<int64_t> tok;
@@ -190,12 +190,15 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     const int64_t n = seg[g + 1] - seg[g];
     (n >= fuse_min ? big : small).add(tok + seg[g], n, rows[g], ranks[g], scal[g]);
   }
-  const int64_t coef_ld = S * rank_pad;
-  LoraEpilogue ep{coef, coef_ld, rank_pad, b, offs, S, std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0),
+  int64_t max_rank = 0;
+  for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r);
+  const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
+  std::vector<float> coef(big.groups() ? M * coef_ld : 0);
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, b, offs, S, std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0),
                   std::vector<float>(M, 0.f)};
   if (big.groups()) {
     loom_lora_shrink(A, lda, a, S, R, K, big.tok.data(), big.seg.data(), big.rows.data(), big.ranks.data(),
-                     big.groups(), coef, coef_ld, rank_pad, nthreads);
+                     big.groups(), coef.data(), coef_ld, rank_pad, nthreads);
     for (int64_t g = 0; g < big.groups(); ++g)
       for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) {
         ep.row[big.tok[i]] = big.rows[g];

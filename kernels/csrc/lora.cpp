@@ -160,11 +160,7 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
 #else
   (void)vec_end;
 #endif
-  for (; c < c1; ++c) {
-    float d = 0.f;
-    for (int64_t r = 0; r < rank; ++r) d += coef[r] * b[r * ldb + c];
-    y[c] += sc * d;
-  }
+  if (c < c1) expand_cols(&y, 1, &coef, b, ldb, rank, sc, c, c1);
 }
 
 // Work items of a LoRA pass: tiles of up to LORA_MAX_TILE tokens of one group with a rank (fewer tokens per tile
