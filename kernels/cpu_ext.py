@@ -149,12 +149,12 @@ def describe() -> str:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True when every tensor is float32 on CPU (what the C++ kernels take)."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)  # is_cpu: no device object made per call
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t itself when it is already a contiguous CPU tensor of dtype (index arrays the kernels read), else a copy."""
-    return t if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu" else t.to("cpu", dtype).contiguous()
+    return t if t.dtype == dtype and t.is_cpu and t.is_contiguous() else t.to("cpu", dtype).contiguous()
 
 
 def nthreads() -> int:

@@ -24,6 +24,9 @@ from loom.kernels.lora import lora_expand_ref, lora_shrink_ref
 FUSE_MIN_TOKENS = 16
 
 
+_ARG_DTYPES = (torch.int64, torch.int32, torch.int32, torch.int32, torch.float32)
+
+
 @functools.lru_cache(maxsize=64)
 def _offsets(slice_offsets: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(slice_offsets, dtype=torch.int64)
@@ -37,10 +40,16 @@ def _takes(lib, x, lora_a, lora_b, *outs) -> bool:
 
 
 def _groups(meta, slice_offsets):
-    """The index arrays the kernels read: slice offsets, token indices, segments, rows, ranks, scalings."""
-    return (_offsets(tuple(int(o) for o in slice_offsets)), cpu_ext.contiguous(meta.token_indices, torch.int64),
-            *(cpu_ext.contiguous(t, torch.int32) for t in (meta.seg_starts, meta.row_start, meta.ranks)),
-            cpu_ext.contiguous(meta.scalings, torch.float32))
+    """The index arrays the kernels read: slice offsets, token indices, segments, rows, ranks, scalings. Every
+    layer of a step reads the same meta: the arrays are kept on it when they are its own tensors (no copy made),
+    so they stay valid even where the meta's buffers are rewritten in place (the CUDA-graph path's static meta)."""
+    args = meta.kernel_args
+    if args is None:
+        own = (meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings)
+        args = tuple(cpu_ext.contiguous(t, dt) for t, dt in zip(own, _ARG_DTYPES))
+        if all(a is t for a, t in zip(args, own)):
+            meta.kernel_args = args
+    return (_offsets(tuple(slice_offsets)), *args)
 
 
 def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):

@@ -6,7 +6,7 @@ threading metadata through every signature.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class LoraBatchMeta:
     # step targets; the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
     module_groups: frozenset[str] | None = None
     experts: "LoraBatchMeta | None" = None  # the expert-row grouping; None = no adapter of the step targets experts
+    # the index tensors as the C++ kernels take them, kept by the step's first CPU LoRA call for the layers after it
+    # (kernels/cpu_lora.py: ~10 us a call, 120 calls a step for a 30-layer model)
+    kernel_args: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
