@@ -76,7 +76,8 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
 
     lib = cpu_ext.load()
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    flat = len(shape) == 2
+    x2 = x if flat else x.reshape(-1, shape[-1])
     if not _takes(lib, x2, lora_a, lora_b) or meta.num_groups == 0 or meta.token_indices.numel() == 0:
         y = linear_packed(x, panels, bias, out_features)
         return lora_apply_cpu(x2, y.view(-1, out_features), lora_a, lora_b, slice_offsets, meta).view(y.shape)
@@ -88,4 +89,4 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
                        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(), R,
                        lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
                        ranks.data_ptr(), scal.data_ptr(), meta.num_groups, FUSE_MIN_TOKENS, cpu_ext.nthreads())
-    return y.view(*shape[:-1], out_features)
+    return y if flat else y.view(*shape[:-1], out_features)

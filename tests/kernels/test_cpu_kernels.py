@@ -197,6 +197,7 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     got = pw.with_lora(x, a, b, offs, meta)
     want = cpu_lora.lora_apply_cpu(x, pw(x), a, b, offs, meta)
     assert torch.equal(got, want)
+    assert torch.equal(pw.with_lora(x.view(1, T, K), a, b, offs, meta), got.view(1, T, -1))  # [batch, tokens, K]
     ref = lora.lora_expand_ref(lora.lora_shrink_ref(x, a, meta), b, offs, meta, torch.nn.functional.linear(x, w, bias))
     assert kcases.rel_err(got, ref) < 1e-5
     assert torch.equal(got[owner == -1], pw(x)[owner == -1])
