@@ -38,7 +38,8 @@ class LoraBatchMeta:
     module_groups: frozenset[str] | None = None
     experts: "LoraBatchMeta | None" = None  # the expert-row grouping; None = no adapter of the step targets experts
     # the index tensors as the C++ kernels take them, kept by the step's first CPU LoRA call for the layers after it
-    # (kernels/cpu_lora.py: ~10 us a call, 120 calls a step for a 30-layer model)
+    # (kernels/cpu_lora.py: ~10 us a call, 120 calls a step for a 30-layer model); they alias the fields above, so
+    # those are rewritten in place, never reassigned, once a meta is in use
     kernel_args: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
