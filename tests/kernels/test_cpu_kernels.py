@@ -173,12 +173,13 @@ def contiguous_lora_meta(runs, ranks):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fuse_min", [None, 1])  # None: the default split; 1: every group in the GEMM's tiles
-@pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens"])
+@pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens", "decode"])
 def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     """The packed GEMM that adds the LoRA deltas to its output tiles gives bitwise the GEMM followed by the one-pass
     LoRA kernel (so also the references' result), for groups of consecutive tokens (whole and partial row tiles,
-    tokens without an adapter between them) and for scattered tokens, slices of widths that are no multiple of the
-    GEMM's 24 columns or of 16, ranks that are no multiple of 4, with a bias."""
+    tokens without an adapter between them), for scattered tokens and for one token per adapter (decode: tiles of
+    one token), slices of widths that are no multiple of the GEMM's 24 columns or of 16, ranks that are no multiple
+    of 4, with a bias."""
     from loom.kernels import cpu_lora
     from loom.kernels.cpu_linear import PackedWeight
 
@@ -188,6 +189,8 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     torch.manual_seed(5)
     if case == "prefill chunks":
         meta, R, owner = contiguous_lora_meta([(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 45)], [16, 5, 8, 64])
+    elif case == "decode":
+        meta, R, owner = contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
     else:
         meta, R, owner = kcases.make_lora_meta(90, [16, 5, 8, 64], "cpu")
     T, K, offs = len(owner), 40, [0, 48, 61, 61 + 130]
