@@ -528,34 +528,25 @@ class LLMEngine:
         ending: list[tuple[Sequence, str]] = []
         positions = launched.positions if self.async_scheduling else None
         now = time.monotonic()
+        dropped: set[int] = set()  # async: rows aborted (or ended) after this step was launched get no output
         if positions is None:
             for seq, tok in zip(seqs, tok_list):
                 seq.token_ids.append(tok)
-            at = None  # row i's output is results[i]
-            kept, kept_toks = seqs, tok_list
         else:
-            at, kept, kept_toks = {}, [], []
             finished = SequenceStatus.FINISHED
             for i, seq in enumerate(seqs):
-                tok = tok_list[i]
-                seq.token_ids[positions[i]] = tok
+                seq.token_ids[positions[i]] = tok_list[i]
                 pend = seq.pending
                 if pend is not None and pend[0] is launched:
                     seq.pending = None
-                if seq.status is finished:  # aborted (or it ended) after this step was launched: no output
+                if seq.status is finished:
                     self.generation_tokens -= 1
-                    continue
-                at[i] = len(kept)
-                kept.append(seq)
-                kept_toks.append(tok)
+                    dropped.add(i)
         # a plain output for every row (one comprehension: this is the step's per-request cost), then the rows
         # that need more (ending, first token, logprobs) get theirs in place, in row order
         results = [StepOutput(seq.request_id, [tok], None, False, None, seq.num_prompt_tokens, seq.num_cached_tokens,
-                              None, None, seq.index) for seq, tok in zip(kept, kept_toks)]
-        for i in sorted(special):
-            k = i if at is None else at.get(i)
-            if k is None:
-                continue
+                              None, None, seq.index) for seq, tok in zip(seqs, tok_list)]
+        for i in sorted(special - dropped):
             seq, tok = seqs[i], tok_list[i]
             lp = cum = plp = timing = error = None
             if i in lps:
@@ -574,8 +565,10 @@ class LLMEngine:
                 reason, error = "error", f"structured_outputs: the grammar refused token {tok}"
             if reason is not None:
                 ending.append((seq, reason))
-            results[k] = StepOutput(seq.request_id, [tok], lp, reason is not None, reason, seq.num_prompt_tokens,
+            results[i] = StepOutput(seq.request_id, [tok], lp, reason is not None, reason, seq.num_prompt_tokens,
                                     seq.num_cached_tokens, cum, error, seq.index, plp, timing)
+        if dropped:
+            results = [r for i, r in enumerate(results) if i not in dropped]
         if ending:
             self._finish_many(ending)
         return results
