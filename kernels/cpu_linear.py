@@ -21,15 +21,27 @@ PANEL = 24  # columns per packed panel (the register tile's width)
 class PackedWeight:
     """W [N, K] float32 re-laid-out as panels [ceil(N / 24), K, 24]; holds a second copy of W."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """out: float32 memory for the panels (at least panels_numel(*weight.shape) elements; e.g. a slice of one
+        buffer for all of a model's weights, kernels/cpu_memory.py), else a buffer of its own."""
         lib = cpu_ext.load()
         if lib is None or not cpu_ext.usable(weight):
             raise ValueError("the C++ GEMM needs a float32 CPU weight and the built CPU kernels")
         w = weight.detach().contiguous()
         self.out_features, self.in_features = w.shape
-        self.panels = torch.empty(((self.out_features + PANEL - 1) // PANEL) * PANEL * self.in_features)
+        n = self.panels_numel(self.out_features, self.in_features)
+        if out is None:
+            self.panels = torch.empty(n)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < n:
+            raise ValueError(f"out must be a contiguous float32 tensor of at least {n} elements")
+        else:
+            self.panels = out.view(-1)[:n]
         lib.loom_gemm_pack(w.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @staticmethod
+    def panels_numel(out_features: int, in_features: int) -> int:
+        return -(-out_features // PANEL) * PANEL * in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile one opaque op (the panels are a plain tensor: no freezing needed)

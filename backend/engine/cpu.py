@@ -71,17 +71,22 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 def pack_linear_weights(model: nn.Module) -> int:
     """Route every linear layer of a CPU float32 model through the C++ GEMM over packed weights
     (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head) via its forward.
-    Returns how many were packed; each holds a second, packed copy of its weight."""
+    Returns how many were packed; each holds a second, packed copy of its weight, all of them in one buffer on
+    huge pages (kernels/cpu_memory.py: a decode step streams every one of them)."""
     from loom.kernels.cpu_linear import PackedWeight
+    from loom.kernels.cpu_memory import empty_on_huge_pages
     from loom.layers.linear import LoRALinear
 
-    n = 0
-    for mod in model.modules():
+    mods = [mod for mod in model.modules() if isinstance(mod, (LoRALinear, nn.Linear))]
+    # each weight's panels start on a cache line (16 floats)
+    sizes = [-(-PackedWeight.panels_numel(*mod.weight.shape) // 16) * 16 for mod in mods]
+    arena = empty_on_huge_pages((sum(sizes),))
+    start = 0
+    for mod, size in zip(mods, sizes):
+        packed = PackedWeight(mod.weight, mod.bias, out=arena[start:start + size])
+        start += size
         if isinstance(mod, LoRALinear):
-            mod.dense = PackedWeight(mod.weight, mod.bias)
-        elif isinstance(mod, nn.Linear):
-            mod.forward = PackedWeight(mod.weight, mod.bias)
+            mod.dense = packed
         else:
-            continue
-        n += 1
-    return n
+            mod.forward = packed
+    return len(mods)

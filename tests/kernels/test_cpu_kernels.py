@@ -251,6 +251,55 @@ def test_packed_gemm_vs_linear(threads):
         torch.set_num_threads(prev)
 
 
+def test_packed_weight_in_a_given_buffer():
+    from loom.kernels.cpu_linear import PackedWeight
+
+    torch.manual_seed(4)
+    w, b = torch.randn(97, 130), torch.randn(97)
+    n = PackedWeight.panels_numel(97, 130)
+    buf = torch.full((n + 40,), float("nan"))
+    own, inside = PackedWeight(w, b), PackedWeight(w, b, out=buf[16:16 + n + 3])
+    assert inside.panels.data_ptr() == buf[16:].data_ptr() and inside.panels.numel() == n
+    assert torch.equal(inside.panels, own.panels) and buf[:16].isnan().all() and buf[16 + n:].isnan().all()
+    x = torch.randn(9, 130)
+    assert torch.equal(inside(x), own(x))
+    for bad in (buf[:n - 1], buf[:n].double(), torch.empty(2, n)[:, :n // 2 + 1]):  # short, not float32, strided
+        with pytest.raises(ValueError, match="out must be"):
+            PackedWeight(w, b, out=bad)
+
+
+# ---- large buffers on huge pages ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_empty_on_huge_pages(dtype, monkeypatch):
+    from loom.kernels import cpu_memory
+
+    advised = []
+    real = cpu_memory._madvise()
+    monkeypatch.setattr(cpu_memory, "_madvise", lambda: lambda addr, n, how: advised.append((addr, n, how)) or 0)
+    hp = cpu_memory.HUGE_PAGE
+    shape = (3, hp // 16 + 5, 4)  # spans a few huge pages and ends inside one
+    t = cpu_memory.empty_on_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % hp == 0
+    nbytes = t.numel() * t.element_size()
+    # the whole 2 MiB pages of the buffer, nothing outside it, advised before anything was written
+    assert advised == [(t.data_ptr(), nbytes // hp * hp, 14)]
+    t.fill_(7)
+    assert (t == 7).all()
+    advised.clear()
+    small = cpu_memory.empty_on_huge_pages((5, 7), dtype)  # under one huge page: plain memory, no advice
+    assert small.shape == (5, 7) and not advised
+    # no madvise to call (not Linux) or one that refuses: ordinary memory, same tensor
+    for fn in (lambda: None, lambda: lambda addr, n, how: -1):
+        monkeypatch.setattr(cpu_memory, "_madvise", fn)
+        u = cpu_memory.empty_on_huge_pages(shape, dtype).zero_()
+        assert u.shape == shape and not u.any()
+    if real is not None:  # the real call on this machine takes the aligned range (whatever THP mode is set)
+        monkeypatch.setattr(cpu_memory, "_madvise", lambda: real)
+        raw = torch.empty(3 * hp, dtype=torch.uint8)
+        assert cpu_memory.advise_huge_pages(raw.data_ptr(), raw.numel())
+
+
 # ---- pointwise ------------------------------------------------------------------------------------------
 
 def test_pointwise_vs_references():
