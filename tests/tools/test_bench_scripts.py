@@ -109,6 +109,26 @@ def test_bench_overhead_smoke(tmp_path):
         assert one_file(tmp_path, "bench_overhead-*.png").stat().st_size > 0
 
 
+# ---- bench_lora_floor -------------------------------------------------------------------------------
+
+def test_bench_lora_floor_smoke(tmp_path):
+    out = tmp_path / "floor.json"
+    p = run_script("bench_lora_floor.py", "--layers", "1", "--tokens", "4", "--rounds", "1", "--json", str(out))
+    assert "added / floor" in p.stdout
+    data = json.loads(out.read_text())
+    # one adapter's rows counted projection by projection, rank x (in + out) float32 for each of the seven
+    cfg = json.loads((Path(bc.default_model_dir()) / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    per_rank = sum(a + b for a, b in [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)])
+    one = data["scenarios"]["one"]
+    assert one["adapter_mb"] == pytest.approx(16 * per_rank * 4 / 1e6)
+    assert one["lora_mflop"] == pytest.approx(2 * 4 * 16 * per_rank / 1e6)
+    assert data["scenarios"]["distinct"]["adapter_mb"] == pytest.approx(4 * one["adapter_mb"])  # 4 tokens, 4 adapters
+    for sc in data["scenarios"].values():
+        assert sc["ms"] > 0 and sc["floor_ms"] > 0
+
+
 # ---- bench_serving: pieces that need no server -----------------------------------------------------
 
 def test_serving_config_rewrite():
