@@ -92,13 +92,13 @@ def main(argv=None) -> int:
                 f"{G} adapters, {threads} thread(s)")
     g = torch.Generator().manual_seed(0)
     layers = []
-    rows = r * G  # every adapter's rank rows, adapter i at rows [i * rank, (i + 1) * rank)
+    pool_rows = r * G  # every adapter's rank rows, adapter i at rows [i * rank, (i + 1) * rank)
     for _ in range(n_layers):
         for grp in spec.groups:
             k_in, n_out = grp.in_features, grp.out_features
             layers.append((PackedWeight(torch.randn(n_out, k_in, generator=g) * 0.02),
-                           torch.randn(grp.num_slices, rows, k_in, generator=g) * 0.02,
-                           torch.randn(rows, n_out, generator=g) * 0.02, tuple(grp.slice_offsets), k_in))
+                           torch.randn(grp.num_slices, pool_rows, k_in, generator=g) * 0.02,
+                           torch.randn(pool_rows, n_out, generator=g) * 0.02, tuple(grp.slice_offsets), k_in))
     xs = {k: torch.randn(T, k, generator=g) for k in {grp.in_features for grp in spec.groups}}
 
     def meta(groups: int) -> LoraBatchMeta:
