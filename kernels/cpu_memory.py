@@ -51,3 +51,10 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype = torch.float
     start = -raw.data_ptr() % HUGE_PAGE
     advise_huge_pages(raw.data_ptr() + start, nbytes)
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def large_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape) on `device`; on the CPU on huge pages (long-lived buffers a step reads all over)."""
+    if torch.device(device).type == "cpu":
+        return empty_on_huge_pages(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -19,7 +19,7 @@ from loom.device import bind_thread, resolve_device
 from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
-from loom.kernels.cpu_memory import empty_on_huge_pages
+from loom.kernels.cpu_memory import large_zeros
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
 
@@ -55,9 +55,7 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
         # (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions.
-        full = (self.num_layers, 2) + shape
-        self.kv_cache = (empty_on_huge_pages(full, self.dtype).zero_() if self.device.type == "cpu" else
-                         torch.zeros(full, dtype=self.dtype, device=self.device))
+        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         self.forward = build_forward(self)  # eager, or compiled on CPU (cpu_compile)

@@ -16,7 +16,7 @@ import bisect
 
 import torch
 
-from loom.kernels.cpu_memory import empty_on_huge_pages
+from loom.kernels.cpu_memory import large_zeros
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
 
@@ -93,14 +93,9 @@ class LoraPool:
         if self.capacity > 0:
             for g in spec.groups:
                 lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
-                self.a[g.name] = self._zeros(*lead, g.num_slices, self.capacity, g.in_features)
-                self.b[g.name] = self._zeros(*lead, self.capacity, g.out_features)
-
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        # on the CPU on huge pages (kernels/cpu_memory.py): a decode step with many adapters reads rows all over them
-        if self.device.type == "cpu":
-            return empty_on_huge_pages(shape, self.dtype).zero_()
-        return torch.zeros(*shape, device=self.device, dtype=self.dtype)
+                # on the CPU on huge pages: a decode step with many adapters reads rows all over them
+                self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, g.in_features), dtype, self.device)
+                self.b[g.name] = large_zeros((*lead, self.capacity, g.out_features), dtype, self.device)
 
     @staticmethod
     def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype) -> int:

@@ -300,6 +300,13 @@ def test_empty_on_huge_pages(dtype, monkeypatch):
         assert cpu_memory.advise_huge_pages(raw.data_ptr(), raw.numel()) in (True, False)
 
 
+def test_large_zeros_on_the_cpu_are_zeros_on_huge_page_boundaries():
+    from loom.kernels import cpu_memory
+
+    t = cpu_memory.large_zeros((3, cpu_memory.HUGE_PAGE // 8), torch.float32, torch.device("cpu"))
+    assert t.shape == (3, cpu_memory.HUGE_PAGE // 8) and t.data_ptr() % cpu_memory.HUGE_PAGE == 0 and not t.any()
+
+
 # ---- pointwise ------------------------------------------------------------------------------------------
 
 def test_pointwise_vs_references():
