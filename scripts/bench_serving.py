@@ -40,6 +40,7 @@ import queue
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 
@@ -73,6 +75,10 @@ def parse_args(argv=None):
                     help="output tokens uniform in [len*(1-r), len*(1+r)]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before each system's runs")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="sweep, rate, lora, waterfall: run each load this many times, Triton and in-process taking "
+                         "turns to go first; tables pool the rounds and the median of the per-round ratios is "
+                         "printed (this machine's speed drifts by minutes: only a pair run back to back compares)")
     ap.add_argument("--url", default=None, help="gRPC address of a running server (default: start one)")
     ap.add_argument("--timing-log", default=None,
                     help="waterfall mode with --url: the LOOM_TIMING_LOG file that server writes")
@@ -134,6 +140,7 @@ def make_workload(tok, n: int, isl: int, isl_r: float, osl: int, osl_r: float, s
 class Result:
     idx: int
     t_send: float = 0.0
+    round: int = 0  # which round of a --rounds run (the run's duration sums the rounds' spans)
     chunks: list = field(default_factory=list)  # (time, tokens in the chunk)
     t_end: float = 0.0
     error: str | None = None
@@ -154,9 +161,11 @@ def summarize_run(results: list[Result], reqs: list[Req]) -> dict:
     e2e = [r.t_end - r.t_send for r in ok]
     itl = [(r.t_end - r.t_send - (r.chunks[0][0] - r.t_send)) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
     tokens = sum(r.num_tokens for r in ok)
-    t0 = min((r.t_send for r in results), default=0.0)
-    t1 = max((r.t_end for r in results), default=0.0)
-    dur = max(t1 - t0, 1e-9)
+    spans: dict[int, tuple[float, float]] = {}
+    for r in results:
+        a, b = spans.get(r.round, (r.t_send, r.t_end))
+        spans[r.round] = (min(a, r.t_send), max(b, r.t_end))
+    dur = max(sum(b - a for a, b in spans.values()), 1e-9)
     short = sum(1 for r in ok if r.num_tokens != reqs[r.idx].max_tokens)
     errors = [r.error for r in results if r.error is not None]
     return {"requests": len(results), "ok": len(ok), "errors": len(errors),
@@ -478,6 +487,38 @@ def ratio_row(label: str, a: dict, b: dict) -> list:
 RATIO_HEADERS = ["", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99"]
 
 
+def alternating(rounds: int, runners: dict[str, Callable[[int], list[Result]]]) -> dict[str, list[list[Result]]]:
+    """Run every system `rounds` times, the first to go rotating from round to round, so a slow stretch of the
+    machine falls on both; -> each system's results per round (Result.round set)."""
+    names = list(runners)
+    out: dict[str, list[list[Result]]] = {n: [] for n in names}
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            res = runners[name](k)
+            for r in res:
+                r.round = k
+            out[name].append(res)
+    return out
+
+
+def round_ratios(tri: list[list[Result]], off: list[list[Result]], reqs: list[Req]) -> dict:
+    """Per round, Triton against in-process: tokens/s ratio and TTFT p50 added (ms); and their medians."""
+    tok, added = [], []
+    for a, b in zip(tri, off):
+        sa, sb = summarize_run(a, reqs), summarize_run(b, reqs)
+        tok.append(bc.ratio(sa["output_tok_s"], sb["output_tok_s"]))
+        added.append((sa["ttft_s"]["p50"] - sb["ttft_s"]["p50"]) * 1e3)
+    return {"tok_s_ratio": tok, "ttft_p50_added_ms": added, "tok_s_ratio_median": statistics.median(tok),
+            "ttft_p50_added_ms_median": statistics.median(added)}
+
+
+def round_line(label: str, rr: dict) -> str:
+    return (f"{label}: per round ({len(rr['tok_s_ratio'])}, order alternating) tok/s triton / in-process "
+            f"{', '.join(f'{x:.2f}' for x in rr['tok_s_ratio'])} (median {rr['tok_s_ratio_median']:.2f}); "
+            f"TTFT p50 added {', '.join(f'{x:+.1f}' for x in rr['ttft_p50_added_ms'])} ms "
+            f"(median {rr['ttft_p50_added_ms_median']:+.1f})")
+
+
 # ---- aiperf --------------------------------------------------------------------------------------
 
 def ensure_aiperf() -> Path:
@@ -607,18 +648,29 @@ def run_waterfall(args, tok, url: str, offline, warm, work: Path, data: dict) ->
                              args.seed + 4000 + c)
         if not entries:
             warm(reqs)
-        label = f"wf{c}"
-        bc.progress(f"  waterfall c={c}: triton ({n} requests)")
-        tri = run_triton(url, args.model, reqs, c, None, args.seed, args.request_timeout, label)
-        server = read_timing_log(log_path)
-        for i, r in enumerate(tri):
-            r.stages = server.get(f"{label}/{i}")
+
+        def triton(k: int, c=c, reqs=reqs) -> list[Result]:
+            label = f"wf{c}.{k}"
+            bc.progress(f"  waterfall c={c}: triton ({n} requests, round {k + 1})")
+            tri = run_triton(url, args.model, reqs, c, None, args.seed, args.request_timeout, label)
+            server = read_timing_log(log_path)
+            for i, r in enumerate(tri):
+                r.stages = server.get(f"{label}/{i}")
+            return tri
+
+        def in_process(k: int, c=c, reqs=reqs) -> list[Result]:
+            bc.progress(f"  waterfall c={c}: in-process ({n} requests, round {k + 1})")
+            return offline.run(reqs, c, None, args.seed, f"wf{c}.{k}")
+
+        got = alternating(args.rounds, {"triton": triton, **({"offline": in_process} if offline else {})})
+        tri = [r for rnd in got["triton"] for r in rnd]
         e = {"triton": waterfall_rows(tri, TRITON_STAGES), "triton_run": summarize_run(tri, reqs)}
         if offline is not None:
-            bc.progress(f"  waterfall c={c}: in-process ({n} requests)")
-            off = offline.run(reqs, c, None, args.seed, label)
+            off = [r for rnd in got["offline"] for r in rnd]
             e["offline"] = waterfall_rows(off, OFFLINE_STAGES)
             e["offline_run"] = summarize_run(off, reqs)
+            if args.rounds > 1:
+                e["per_round"] = round_ratios(got["triton"], got["offline"], reqs)
         entries[c] = e
         cols.append(c)
     data["runs"]["waterfall"] = entries
@@ -640,6 +692,8 @@ def run_waterfall(args, tok, url: str, offline, warm, work: Path, data: dict) ->
             line += (f", in-process {o['ttft_s']['p50'] * 1e3:.1f} ms (added {added:+.1f} ms); output tok/s "
                      f"triton / in-process {bc.ratio(t['output_tok_s'], o['output_tok_s']):.2f}")
         summary.append(line)
+        if "per_round" in entries[c]:
+            summary.append(round_line(f"c={c}", entries[c]["per_round"]))
     return (f"TTFT waterfall (p50 per stage, ms; in-process stages: queue -> scheduled from add_request), "
             f"prompt ~{args.input_len} tokens, output ~{args.output_len}\n" + bc.table(headers, rows, 1) + "\n"
             + "\n".join(summary))
@@ -699,18 +753,26 @@ def main(argv=None) -> int:
                     offline.run(w, len(w), None, args.seed, "warm-up")
 
         def one(label: str, reqs: list[Req], conc: int | None, rate: float | None) -> dict:
-            bc.progress(f"  {label}: triton ({len(reqs)} requests)")
-            tri = summarize_run(run_triton(url, args.model, reqs, conc, rate, args.seed, args.request_timeout, label),
-                                reqs)
+            def triton(k: int) -> list[Result]:
+                bc.progress(f"  {label}: triton ({len(reqs)} requests, round {k + 1})")
+                return run_triton(url, args.model, reqs, conc, rate, args.seed, args.request_timeout, f"{label}.{k}")
+
+            def in_process(k: int) -> list[Result]:
+                bc.progress(f"  {label}: offline engine (round {k + 1})")
+                return offline.run(reqs, conc, rate, args.seed, label)
+
+            got = alternating(args.rounds, {"triton": triton, **({"offline": in_process} if offline else {})})
+            tri = summarize_run([r for rnd in got["triton"] for r in rnd], reqs)
             entry = {"triton": tri, "num_requests": len(reqs), "concurrency": conc, "rate": rate,
                      "prompt_tokens_mean": sum(r.prompt_len for r in reqs) / len(reqs),
                      "output_tokens_mean": sum(r.max_tokens for r in reqs) / len(reqs)}
             msg = f"  {label}: triton {tri['output_tok_s']:.1f} tok/s, TTFT p50 {tri['ttft_s']['p50'] * 1e3:.0f} ms"
             if offline is not None:
-                bc.progress(f"  {label}: offline engine")
-                off = summarize_run(offline.run(reqs, conc, rate, args.seed, label), reqs)
+                off = summarize_run([r for rnd in got["offline"] for r in rnd], reqs)
                 entry["offline"] = off
                 msg += f"; offline {off['output_tok_s']:.1f} tok/s, TTFT p50 {off['ttft_s']['p50'] * 1e3:.0f} ms"
+                if args.rounds > 1:
+                    entry["per_round"] = round_ratios(got["triton"], got["offline"], reqs)
             if tri["errors"]:
                 msg += f"; {tri['errors']} triton errors, e.g. {tri['first_error']}"
             bc.progress(msg)
@@ -728,6 +790,9 @@ def main(argv=None) -> int:
             text = title + "\n" + bc.table(RUN_HEADERS, rows, 1)
             if ratios:
                 text += "\n\nratios\n" + bc.table(RATIO_HEADERS, ratios, 2)
+            rounds = [round_line(label, e["per_round"]) for label, e in entries.items() if "per_round" in e]
+            if rounds:
+                text += "\n" + "\n".join(rounds)
             return text
 
         lens = (f"prompt ~{args.input_len} tokens (range {args.input_len_range}), "

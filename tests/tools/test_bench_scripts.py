@@ -172,6 +172,31 @@ def test_serving_summary():
     assert s["ttft_s"]["p50"] == pytest.approx(0.35) and s["e2e_s"]["max"] == pytest.approx(0.7)
     assert s["itl_s"]["max"] == pytest.approx(0.2)  # r1: (0.4 - 0.2) / 1; r0: (0.7 - 0.5) / 2 = 0.1
     assert s["output_tok_s"] == pytest.approx(5 / 0.7)
+    # the same requests again as a second round 100 s later: tokens/s over the two spans, not the gap between them
+    r2 = bs.Result(0, t_send=100.0, chunks=[(100.5, 1), (100.9, 2)], t_end=100.9, round=1)
+    r3 = bs.Result(1, t_send=100.0, chunks=[(100.1, 1), (100.3, 1)], t_end=100.3, round=1)
+    s = bs.summarize_run([r0, r1, r2, r3], reqs)
+    assert s["ok"] == 4 and s["output_tok_s"] == pytest.approx(10 / (0.7 + 0.9))
+
+
+def test_serving_rounds_alternate_and_compare_per_round():
+    import bench_serving as bs
+
+    calls = []
+
+    def runner(name, t_end):
+        def run(k):
+            calls.append((k, name))
+            return [bs.Result(0, t_send=0.0, chunks=[(0.1 * (k + 1), 1), (t_end, 1)], t_end=t_end)]
+        return run
+
+    got = bs.alternating(3, {"triton": runner("triton", 2.0), "offline": runner("offline", 1.0)})
+    assert calls == [(0, "triton"), (0, "offline"), (1, "offline"), (1, "triton"), (2, "triton"), (2, "offline")]
+    assert [[r.round for r in rnd] for rnd in got["triton"]] == [[0], [1], [2]]
+    rr = bs.round_ratios(got["triton"], got["offline"], [bs.Req("a", 1, 2)])
+    assert rr["tok_s_ratio"] == pytest.approx([0.5] * 3) and rr["tok_s_ratio_median"] == pytest.approx(0.5)
+    assert rr["ttft_p50_added_ms"] == pytest.approx([0.0] * 3)
+    assert "median 0.50" in bs.round_line("c=1", rr)
 
 
 def test_aiperf_payload_template_renders_vllm_tensors():
