@@ -14,7 +14,10 @@ Two name sets, chosen by config (`metrics`, `vllm_metrics` / vllm_backend's REPO
 `pb_utils` is passed in (only backend/model.py imports triton_python_backend_utils) and the families
 must be created inside `initialize()`. Each metric call is an IPC round trip to the server, so the
 engine loop never makes one: it hands stats to `on_step` / `on_request_finished` (cheap, under a lock)
-and one thread applies them, coalescing gauge updates to at most one set per `interval_s`.
+and one thread applies them, coalescing gauge updates to at most one set per `interval_s` and setting a gauge
+only when its value changed. The round trips are not free for the engine either: the stub holds the GIL through
+each one (its bindings do not release it), and on a CPU engine, one request at a time, setting every gauge on
+every update put the time to first token ~13 ms above the same engine in-process, ~7 ms with changed values only.
 Rules that keep Triton 2.51 alive: counters only get positive increments, gauges only `set`, and
 `value()` is never called on a histogram.
 """
@@ -42,6 +45,8 @@ VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+# vllm:lora_requests_info's value (the time of its last update) is refreshed at most this often while its labels stay
+LORA_INFO_REFRESH_S = 1.0
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -128,8 +133,10 @@ class LoomMetrics:
             self._lora_prefix = lora_info_prefix
             self._lora_metric = None
             self._lora_labels: dict[str, str] | None = None
+            self._lora_set_at = 0.0
 
         self.interval_s = interval_s
+        self._last: dict[int, float] = {}  # id(gauge) -> the value last set
         self._cond = threading.Condition()
         self._stats: EngineStats | None = None
         self._prompt = self._gen = 0
@@ -176,6 +183,11 @@ class LoomMetrics:
                 return
             time.sleep(self.interval_s)  # coalesce: one update per interval however fast the engine steps
 
+    def _set(self, gauge, value: float) -> None:
+        if self._last.get(id(gauge)) != value:
+            gauge.set(value)
+            self._last[id(gauge)] = value
+
     def _apply(self, stats: EngineStats | None, prompt: int, gen: int, done: list[RequestTiming]) -> None:
         if prompt > 0:
             self.prompt_tokens.increment(prompt)
@@ -196,14 +208,14 @@ class LoomMetrics:
                 if t.num_output_tokens > 1:
                     self.tpot.observe(max(0.0, (t.finished - t.first_token) / (t.num_output_tokens - 1)))
         if stats is not None:
-            self.running.set(float(stats.num_running))
-            self.waiting.set(float(stats.num_waiting))
-            self.kv_used.set(float(stats.kv_blocks_used))
-            self.kv_total.set(float(stats.kv_blocks_total))
-            self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-            self.prefix_hit.set(float(stats.prefix_hit_rate))
-            self.adapters.set(float(stats.resident_adapters))
-            self.preemptions.set(float(stats.num_preemptions))
+            self._set(self.running, float(stats.num_running))
+            self._set(self.waiting, float(stats.num_waiting))
+            self._set(self.kv_used, float(stats.kv_blocks_used))
+            self._set(self.kv_total, float(stats.kv_blocks_total))
+            self._set(self.kv_usage, stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+            self._set(self.prefix_hit, float(stats.prefix_hit_rate))
+            self._set(self.adapters, float(stats.resident_adapters))
+            self._set(self.preemptions, float(stats.num_preemptions))
 
     def _apply_vllm(self, stats: EngineStats | None, prompt: int, gen: int, done: list[RequestTiming],
                     itl: list[float]) -> None:
@@ -223,11 +235,11 @@ class LoomMetrics:
             if t.first_token is not None:
                 self.v_ttft.observe(max(0.0, t.first_token - t.arrival))
         if stats is not None:
-            self.v_running.set(float(stats.num_running))
-            self.v_waiting.set(float(stats.num_waiting))
+            self._set(self.v_running, float(stats.num_running))
+            self._set(self.v_waiting, float(stats.num_waiting))
             usage = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
-            self.v_kv.set(usage)
-            self.v_gpu_kv.set(usage)
+            self._set(self.v_kv, usage)
+            self._set(self.v_gpu_kv, usage)
             if stats.max_loras > 0:
                 self._set_lora_info(stats)
 
@@ -249,7 +261,11 @@ class LoomMetrics:
             self._families.append(self._lora_family)
             self._lora_metric = self._lora_family.Metric(labels=labels)
             self._lora_labels = labels
-        self._lora_metric.set(time.time())
+            self._lora_set_at = 0.0
+        now = time.time()
+        if now - self._lora_set_at >= LORA_INFO_REFRESH_S:  # the time of the last update, to the second
+            self._lora_metric.set(now)
+            self._lora_set_at = now
 
     def close(self, timeout: float = 2.0) -> None:
         with self._cond:
