@@ -487,10 +487,10 @@ def ratio_row(label: str, a: dict, b: dict) -> list:
 RATIO_HEADERS = ["", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99"]
 
 
-def alternating(rounds: int, runners: dict[str, Callable[[int], list[Result]]]) -> dict[str, list[list[Result]]]:
-    """Run every system `rounds` times, the first to go rotating from round to round, so a slow stretch of the
-    machine falls on both; -> each system's results per round (Result.round set)."""
-    names = list(runners)
+def alternating(rounds: int, runners: dict[str, Callable[[int], list[Result]] | None]) -> dict[str, list[list[Result]]]:
+    """Run every system (None: not run) `rounds` times, the first to go rotating from round to round, so a slow
+    stretch of the machine falls on both; -> each system's results per round (Result.round set)."""
+    names = [n for n, run in runners.items() if run is not None]
     out: dict[str, list[list[Result]]] = {n: [] for n in names}
     for k in range(rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:
@@ -662,7 +662,7 @@ def run_waterfall(args, tok, url: str, offline, warm, work: Path, data: dict) ->
             bc.progress(f"  waterfall c={c}: in-process ({n} requests, round {k + 1})")
             return offline.run(reqs, c, None, args.seed, f"wf{c}.{k}")
 
-        got = alternating(args.rounds, {"triton": triton, **({"offline": in_process} if offline else {})})
+        got = alternating(args.rounds, {"triton": triton, "offline": in_process if offline is not None else None})
         tri = [r for rnd in got["triton"] for r in rnd]
         e = {"triton": waterfall_rows(tri, TRITON_STAGES), "triton_run": summarize_run(tri, reqs)}
         if offline is not None:
@@ -761,7 +761,7 @@ def main(argv=None) -> int:
                 bc.progress(f"  {label}: offline engine (round {k + 1})")
                 return offline.run(reqs, conc, rate, args.seed, label)
 
-            got = alternating(args.rounds, {"triton": triton, **({"offline": in_process} if offline else {})})
+            got = alternating(args.rounds, {"triton": triton, "offline": in_process if offline is not None else None})
             tri = summarize_run([r for rnd in got["triton"] for r in rnd], reqs)
             entry = {"triton": tri, "num_requests": len(reqs), "concurrency": conc, "rate": rate,
                      "prompt_tokens_mean": sum(r.prompt_len for r in reqs) / len(reqs),

@@ -8,6 +8,7 @@ import pytest
 
 from loom.engine.outputs import EngineStats
 from loom.errors import ConfigError
+from loom.serving import metrics as metrics_module
 from loom.serving.async_engine import RequestTiming
 from loom.serving.metrics import LoomMetrics, buckets_1_2_5
 from loom.serving.serve_config import parse_model_parameters
@@ -77,14 +78,17 @@ def test_metrics_flow():
     assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
 
 
-def test_gauges_are_set_only_when_they_change():
+def test_gauges_are_set_only_when_they_change(monkeypatch):
     """Every metric call is an IPC round trip holding the stub's GIL: an unchanged gauge is not set again."""
+    monkeypatch.setattr(metrics_module, "LORA_INFO_REFRESH_S", 3600.0)
     FakePb.MetricFamily.created.clear()
     m = LoomMetrics(FakePb, {"model": "m"}, interval_s=0.001, names=("loom", "vllm"))
     for used in (3, 3, 3, 5, 5):
         m.on_step(EngineStats(num_running=2, kv_blocks_used=used, kv_blocks_total=10, max_loras=4,
                               running_adapters={"a": 1}), prompt_tokens=0, generation_tokens=1)
-        time.sleep(0.02)  # each in its own update
+        deadline = time.monotonic() + 30
+        while m._stats is not None and time.monotonic() < deadline:  # taken: each update applied on its own
+            time.sleep(0.001)
     m.close()
     fams = {f.name: f for f in FakePb.MetricFamily.created}  # vllm:lora_requests_info is made on the first update
 
@@ -93,7 +97,7 @@ def test_gauges_are_set_only_when_they_change():
     assert sets("loom_kv_blocks_used") == [3.0, 5.0] and sets("loom_kv_blocks_total") == [10.0]
     assert sets("loom_num_requests_running") == [2.0] and sets("vllm:num_requests_running") == [2.0]
     assert sets("vllm:kv_cache_usage_perc") == [0.3, 0.5] == sets("vllm:gpu_cache_usage_perc")
-    assert len(sets("vllm:lora_requests_info")) == 1  # labels unchanged within a second: one set
+    assert len(sets("vllm:lora_requests_info")) == 1  # labels unchanged, refresh not due: one set
     gen = [v for met in fams["loom_generation_tokens_total"].metrics for _, v in met.ops]
     assert sum(gen) == 5  # counters still get every increment
 
