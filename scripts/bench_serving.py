@@ -512,6 +512,16 @@ def round_ratios(tri: list[list[Result]], off: list[list[Result]], reqs: list[Re
             "ttft_p50_added_ms_median": statistics.median(added)}
 
 
+def paired_rounds(rounds: int, triton: Callable[[int], list[Result]],
+                  in_process: Callable[[int], list[Result]] | None, reqs: list[Req]):
+    """alternating() for Triton and in-process (None: Triton alone) -> each side's results of every round in one
+    list (None for a side not run) and, with more than one round, round_ratios() (else None)."""
+    got = alternating(rounds, {"triton": triton, "offline": in_process})
+    flat = {name: [r for rnd in res for r in rnd] for name, res in got.items()}
+    per_round = round_ratios(got["triton"], got["offline"], reqs) if in_process is not None and rounds > 1 else None
+    return flat["triton"], flat.get("offline"), per_round
+
+
 def round_line(label: str, rr: dict) -> str:
     return (f"{label}: per round ({len(rr['tok_s_ratio'])}, order alternating) tok/s triton / in-process "
             f"{', '.join(f'{x:.2f}' for x in rr['tok_s_ratio'])} (median {rr['tok_s_ratio_median']:.2f}); "
@@ -662,15 +672,13 @@ def run_waterfall(args, tok, url: str, offline, warm, work: Path, data: dict) ->
             bc.progress(f"  waterfall c={c}: in-process ({n} requests, round {k + 1})")
             return offline.run(reqs, c, None, args.seed, f"wf{c}.{k}")
 
-        got = alternating(args.rounds, {"triton": triton, "offline": in_process if offline is not None else None})
-        tri = [r for rnd in got["triton"] for r in rnd]
+        tri, off, per_round = paired_rounds(args.rounds, triton, in_process if offline is not None else None, reqs)
         e = {"triton": waterfall_rows(tri, TRITON_STAGES), "triton_run": summarize_run(tri, reqs)}
-        if offline is not None:
-            off = [r for rnd in got["offline"] for r in rnd]
+        if off is not None:
             e["offline"] = waterfall_rows(off, OFFLINE_STAGES)
             e["offline_run"] = summarize_run(off, reqs)
-            if args.rounds > 1:
-                e["per_round"] = round_ratios(got["triton"], got["offline"], reqs)
+        if per_round is not None:
+            e["per_round"] = per_round
         entries[c] = e
         cols.append(c)
     data["runs"]["waterfall"] = entries
@@ -761,18 +769,19 @@ def main(argv=None) -> int:
                 bc.progress(f"  {label}: offline engine (round {k + 1})")
                 return offline.run(reqs, conc, rate, args.seed, label)
 
-            got = alternating(args.rounds, {"triton": triton, "offline": in_process if offline is not None else None})
-            tri = summarize_run([r for rnd in got["triton"] for r in rnd], reqs)
+            tri_res, off_res, per_round = paired_rounds(args.rounds, triton,
+                                                        in_process if offline is not None else None, reqs)
+            tri = summarize_run(tri_res, reqs)
             entry = {"triton": tri, "num_requests": len(reqs), "concurrency": conc, "rate": rate,
                      "prompt_tokens_mean": sum(r.prompt_len for r in reqs) / len(reqs),
                      "output_tokens_mean": sum(r.max_tokens for r in reqs) / len(reqs)}
             msg = f"  {label}: triton {tri['output_tok_s']:.1f} tok/s, TTFT p50 {tri['ttft_s']['p50'] * 1e3:.0f} ms"
-            if offline is not None:
-                off = summarize_run([r for rnd in got["offline"] for r in rnd], reqs)
+            if off_res is not None:
+                off = summarize_run(off_res, reqs)
                 entry["offline"] = off
                 msg += f"; offline {off['output_tok_s']:.1f} tok/s, TTFT p50 {off['ttft_s']['p50'] * 1e3:.0f} ms"
-                if args.rounds > 1:
-                    entry["per_round"] = round_ratios(got["triton"], got["offline"], reqs)
+            if per_round is not None:
+                entry["per_round"] = per_round
             if tri["errors"]:
                 msg += f"; {tri['errors']} triton errors, e.g. {tri['first_error']}"
             bc.progress(msg)
