@@ -50,10 +50,10 @@ _SIGNATURES = {
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
-    "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32],
+    "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],
     "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64,
-                       _I64, _I32],
+                       _I64, _I64, _I32],
 }
 
 

@@ -16,6 +16,12 @@ import torch
 from loom.kernels import cpu_ext, torch_ops
 
 PANEL = 24  # columns per packed panel (the register tile's width)
+# A prefill chunk's x [tokens, K] above BLOCK_ABOVE_BYTES does not stay in the last-level cache beside the weights
+# while every weight panel passes over it: the GEMM then takes its rows in blocks of ROW_BLOCK_BYTES, which stay in L2.
+# Measured on the project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3), one thread, 2,048 tokens: down_proj (K 1,536)
+# 0.81-0.87 of the time, the K=576 projections 0.94-0.98; 512 and 1,024 tokens: no gain, so they stay one block.
+BLOCK_ABOVE_BYTES = 4 << 20
+ROW_BLOCK_BYTES = 256 << 10
 
 
 class PackedWeight:
@@ -55,6 +61,11 @@ class PackedWeight:
         return linear_lora_cpu(x, self.panels, self.bias, self.out_features, lora_a, lora_b, slice_offsets, meta)
 
 
+def row_block(m: int, k: int) -> int:
+    """Rows per block of the GEMM over x [m, k] float32 (0: one block); the result does not depend on it."""
+    return 0 if m * k * 4 <= BLOCK_ABOVE_BYTES else max(4, ROW_BLOCK_BYTES // (4 * k))
+
+
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                   out_features: int) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with W packed into `panels` (PackedWeight)."""
@@ -68,7 +79,8 @@ def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty((m, out_features), dtype=torch.float32)
     if m:
         lib.loom_gemm(x2.data_ptr(), x2.stride(0), m, shape[-1], panels.data_ptr(), out_features,
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), cpu_ext.nthreads())
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                      row_block(m, shape[-1]), cpu_ext.nthreads())
     return y if flat else y.view(*shape[:-1], out_features)
 
 

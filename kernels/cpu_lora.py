@@ -72,7 +72,7 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
     adds to its output, but a group of at least FUSE_MIN_TOKENS tokens (a prefill chunk) has its deltas added to
     each GEMM output tile while the tile is in cache, so y (2,048 tokens x 3,072 columns is 25 MB) is not read
     back from memory and written again for them."""
-    from loom.kernels.cpu_linear import linear_packed
+    from loom.kernels.cpu_linear import linear_packed, row_block
 
     lib = cpu_ext.load()
     shape = x.shape
@@ -88,5 +88,6 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
     lib.loom_gemm_lora(x2.data_ptr(), x2.stride(0), T, K, panels.data_ptr(), out_features,
                        None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(), R,
                        lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
-                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, FUSE_MIN_TOKENS, cpu_ext.nthreads())
+                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, FUSE_MIN_TOKENS, row_block(T, K),
+                       cpu_ext.nthreads())
     return y if flat else y.view(*shape[:-1], out_features)

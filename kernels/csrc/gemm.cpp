@@ -130,29 +130,37 @@ struct LoraEpilogue {
 #endif
 };
 
+// Rows are taken in blocks of mc (a multiple of MR; >= M: one block) and every panel passes over one block before
+// the next: where x is larger than the last-level cache can keep beside the weights (a long prefill chunk), a block
+// of x stays in L2 while the panels stream over it instead of x streaming from memory once per panel. Each output
+// element's arithmetic does not depend on mc.
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
-          int64_t ldc, int nthreads, const LoraEpilogue* lora) {
+          int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora) {
   constexpr int MR = 4;
-  const int64_t P = (N + NR - 1) / NR, tiles = (M + MR - 1) / MR;
-  const int64_t panel_lines = (K * NR * 4 + 63) / 64, per_tile = (panel_lines + tiles - 1) / tiles;
+  const int64_t P = (N + NR - 1) / NR, panel_lines = (K * NR * 4 + 63) / 64;
+  mc = mc >= M || mc <= 0 ? M : std::max<int64_t>(MR, mc / MR * MR);
+  for (int64_t m0 = 0; m0 < M; m0 += mc) {
+    const int64_t m1 = std::min(M, m0 + mc), tiles = (m1 - m0 + MR - 1) / MR;
+    const int64_t per_tile = (panel_lines + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t p = 0; p < P; ++p) {
-    const float* B = Bp + p * K * NR;
-    const char* next = reinterpret_cast<const char*>(p + 1 < P ? B + K * NR : B);
-    const int64_t nc = std::min(NR, N - p * NR);
-    const float* bp = bias ? bias + p * NR : nullptr;
-    for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
-      const int64_t lo = std::min(panel_lines, t * per_tile), n = std::min(panel_lines, lo + per_tile) - lo;
-      const float* a = A + m * lda;
-      float* c = C + m * ldc + p * NR;
-      const int64_t mr = std::min<int64_t>(MR, M - m);
-      switch (mr) {
-        case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        default: gemm_tile<1>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+    for (int64_t p = 0; p < P; ++p) {
+      const float* B = Bp + p * K * NR;
+      const char* next = reinterpret_cast<const char*>(p + 1 < P ? B + K * NR : B);
+      const int64_t nc = std::min(NR, N - p * NR);
+      const float* bp = bias ? bias + p * NR : nullptr;
+      for (int64_t t = 0, m = m0; m < m1; ++t, m += MR) {
+        const int64_t lo = std::min(panel_lines, t * per_tile), n = std::min(panel_lines, lo + per_tile) - lo;
+        const float* a = A + m * lda;
+        float* c = C + m * ldc + p * NR;
+        const int64_t mr = std::min<int64_t>(MR, m1 - m);
+        switch (mr) {
+          case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          default: gemm_tile<1>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+        }
+        if (lora) lora->apply(C, ldc, N, m, mr, p * NR, p * NR + nc);
       }
-      if (lora) lora->apply(C, ldc, N, m, mr, p * NR, p * NR + nc);
     }
   }
 }
@@ -173,10 +181,10 @@ void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
 }
 
 // y [M, N] (row stride ldc) = x [M, K] (row stride lda) @ W^T + bias (nullable), W packed by loom_gemm_pack;
-// parallel over panels.
+// rows in blocks of mc (see gemm), parallel over panels.
 void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-               float* C, int64_t ldc, int nthreads) {
-  gemm(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, nullptr);
+               float* C, int64_t ldc, int64_t mc, int nthreads) {
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, nullptr);
 }
 
 // loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
@@ -188,7 +196,7 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, const float* a, int64_t R, const float* b, const int64_t* offs, int64_t S,
                     const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
-                    const float* scal, int64_t G, int64_t fuse_min, int nthreads) {
+                    const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
   // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
   struct Split {
     std::vector<int64_t> tok;
@@ -224,7 +232,7 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
         ep.scale[big.tok[i]] = big.scal[g];
       }
   }
-  gemm(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr);
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr);
   if (small.groups())
     loom_lora_apply(A, lda, a, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
                     small.ranks.data(), small.scal.data(), small.groups(), nthreads);
