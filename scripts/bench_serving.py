@@ -501,24 +501,40 @@ def alternating(rounds: int, runners: dict[str, Callable[[int], list[Result]] | 
     return out
 
 
+def paired_ttft_added(tri: list[list[Result]], off: list[list[Result]]) -> list[float]:
+    """Each request's TTFT through Triton minus the same request's in-process in the same round (ms): the request's
+    own prefill time, which varies far more from one prompt to the next than the serving path adds, cancels out."""
+    out = []
+    for a, b in zip(tri, off):
+        theirs = {r.idx: r for r in b if r.error is None and r.chunks}
+        for r in a:
+            o = theirs.get(r.idx)
+            if o is not None and r.error is None and r.chunks:
+                out.append(((r.chunks[0][0] - r.t_send) - (o.chunks[0][0] - o.t_send)) * 1e3)
+    return out
+
+
 def round_ratios(tri: list[list[Result]], off: list[list[Result]], reqs: list[Req]) -> dict:
-    """Per round, Triton against in-process: tokens/s ratio and TTFT p50 added (ms); and their medians."""
+    """Per round, Triton against in-process: tokens/s ratio and TTFT p50 added (ms); their medians; and the median
+    over all requests of paired_ttft_added()."""
     tok, added = [], []
     for a, b in zip(tri, off):
         sa, sb = summarize_run(a, reqs), summarize_run(b, reqs)
         tok.append(bc.ratio(sa["output_tok_s"], sb["output_tok_s"]))
         added.append((sa["ttft_s"]["p50"] - sb["ttft_s"]["p50"]) * 1e3)
+    pairs = paired_ttft_added(tri, off)
     return {"tok_s_ratio": tok, "ttft_p50_added_ms": added, "tok_s_ratio_median": statistics.median(tok),
-            "ttft_p50_added_ms_median": statistics.median(added)}
+            "ttft_p50_added_ms_median": statistics.median(added), "ttft_pairs": len(pairs),
+            "ttft_added_paired_ms_median": statistics.median(pairs) if pairs else float("nan")}
 
 
 def paired_rounds(rounds: int, triton: Callable[[int], list[Result]],
                   in_process: Callable[[int], list[Result]] | None, reqs: list[Req]):
     """alternating() for Triton and in-process (None: Triton alone) -> each side's results of every round in one
-    list (None for a side not run) and, with more than one round, round_ratios() (else None)."""
+    list (None for a side not run) and, with the in-process side, round_ratios() (else None)."""
     got = alternating(rounds, {"triton": triton, "offline": in_process})
     flat = {name: [r for rnd in res for r in rnd] for name, res in got.items()}
-    per_round = round_ratios(got["triton"], got["offline"], reqs) if in_process is not None and rounds > 1 else None
+    per_round = round_ratios(got["triton"], got["offline"], reqs) if in_process is not None else None
     return flat["triton"], flat.get("offline"), per_round
 
 
@@ -526,7 +542,8 @@ def round_line(label: str, rr: dict) -> str:
     return (f"{label}: per round ({len(rr['tok_s_ratio'])}, order alternating) tok/s triton / in-process "
             f"{', '.join(f'{x:.2f}' for x in rr['tok_s_ratio'])} (median {rr['tok_s_ratio_median']:.2f}); "
             f"TTFT p50 added {', '.join(f'{x:+.1f}' for x in rr['ttft_p50_added_ms'])} ms "
-            f"(median {rr['ttft_p50_added_ms_median']:+.1f})")
+            f"(median {rr['ttft_p50_added_ms_median']:+.1f}); TTFT added request by request (same request, same "
+            f"round) median {rr['ttft_added_paired_ms_median']:+.1f} ms over {rr['ttft_pairs']} pairs")
 
 
 # ---- aiperf --------------------------------------------------------------------------------------

@@ -30,5 +30,6 @@ def test_bench_serving_smoke(tmp_path, server, repo_dir, adapter_root):
             assert s["ok"] == 6 and s["errors"] == 0 and s["wrong_token_count"] == 0, (side, s)  # 2 rounds
             assert s["ttft_s"]["n"] == 6 and s["output_tok_s"] > 0
         assert len(e["per_round"]["tok_s_ratio"]) == 2 and e["per_round"]["tok_s_ratio_median"] > 0
+        assert e["per_round"]["ttft_pairs"] == 6  # every request of both rounds against its in-process twin
     if has_matplotlib():
         assert one_file(tmp_path, "bench_serving-all-*.png").stat().st_size > 0

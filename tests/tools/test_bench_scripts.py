@@ -199,6 +199,23 @@ def test_serving_rounds_alternate_and_compare_per_round():
     assert "median 0.50" in bs.round_line("c=1", rr)
 
 
+def test_ttft_added_is_paired_request_by_request():
+    """The TTFT a server adds is taken per request against the same request in-process in the same round, so the
+    spread of prefill times between prompts does not enter it; failed or missing requests make no pair."""
+    import bench_serving as bs
+
+    def res(idx, ttft, error=None):
+        return bs.Result(idx, t_send=10.0, chunks=[] if error else [(10.0 + ttft, 1)], t_end=11.0, error=error)
+
+    # prefill times 0.1-0.9 s by prompt; the server adds 5 ms to each (request 3 failed on the server)
+    tri = [[res(0, 0.105), res(1, 0.905), res(2, 0.505), res(3, 0.0, "boom")], [res(0, 0.106), res(1, 0.904)]]
+    off = [[res(1, 0.900), res(0, 0.100), res(2, 0.500), res(3, 0.3)], [res(0, 0.100), res(1, 0.900)]]
+    assert bs.paired_ttft_added(tri, off) == pytest.approx([5.0, 5.0, 5.0, 6.0, 4.0])
+    rr = bs.round_ratios(tri, off, [bs.Req("a", 1, 1)] * 4)
+    assert rr["ttft_pairs"] == 5 and rr["ttft_added_paired_ms_median"] == pytest.approx(5.0)
+    assert "median +5.0 ms over 5 pairs" in bs.round_line("c=1", rr)
+
+
 def test_aiperf_payload_template_renders_vllm_tensors():
     import bench_serving as bs
     import jinja2
