@@ -78,7 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="sweep, rate, lora, waterfall: run each load this many times, Triton and in-process taking "
                          "turns to go first; tables pool the rounds and the median of the per-round ratios is "
-                         "printed (this machine's speed drifts by minutes: only a pair run back to back compares)")
+                         "printed, with the TTFT added request by request (this machine's speed drifts by minutes: "
+                         "only a pair run back to back compares)")
     ap.add_argument("--url", default=None, help="gRPC address of a running server (default: start one)")
     ap.add_argument("--timing-log", default=None,
                     help="waterfall mode with --url: the LOOM_TIMING_LOG file that server writes")
