@@ -19,7 +19,10 @@ PANEL = 24  # columns per packed panel (the register tile's width)
 # A prefill chunk's x [tokens, K] above BLOCK_ABOVE_BYTES does not stay in the last-level cache beside the weights
 # while every weight panel passes over it: the GEMM then takes its rows in blocks of ROW_BLOCK_BYTES, which stay in L2.
 # Measured on the project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3), one thread, 2,048 tokens: down_proj (K 1,536)
-# 0.81-0.87 of the time, the K=576 projections 0.94-0.98; 512 and 1,024 tokens: no gain, so they stay one block.
+# 0.73-0.87 of the time, the K=576 projections 0.91-0.98; 1,024 tokens: down_proj 0.86, the others (2.4 MB, one
+# block) no gain when blocked; 512 tokens: no gain.
+# Blocks re-read the weights once per block where one block re-reads x once per panel: a block of fewer rows than a
+# panel has columns (K above ~2,700) would re-read more than it saves, so such an x stays one block.
 BLOCK_ABOVE_BYTES = 4 << 20
 ROW_BLOCK_BYTES = 256 << 10
 
@@ -63,7 +66,8 @@ class PackedWeight:
 
 def row_block(m: int, k: int) -> int:
     """Rows per block of the GEMM over x [m, k] float32 (0: one block); the result does not depend on it."""
-    return 0 if m * k * 4 <= BLOCK_ABOVE_BYTES else max(4, ROW_BLOCK_BYTES // (4 * k))
+    rows = ROW_BLOCK_BYTES // (4 * k)
+    return rows if m * k * 4 > BLOCK_ABOVE_BYTES and rows > PANEL else 0
 
 
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
