@@ -18,12 +18,13 @@ from loom.kernels import cpu_ext, torch_ops
 PANEL = 24  # columns per packed panel (the register tile's width)
 # A prefill chunk's x [tokens, K] above BLOCK_ABOVE_BYTES does not stay in the last-level cache beside the weights
 # while every weight panel passes over it: the GEMM then takes its rows in blocks of ROW_BLOCK_BYTES, which stay in L2.
-# Measured on the project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3), one thread, 2,048 tokens: down_proj (K 1,536)
-# 0.73-0.87 of the time, the K=576 projections 0.91-0.98; 1,024 tokens: down_proj 0.86, the others (2.4 MB, one
-# block) no gain when blocked; 512 tokens: no gain.
-# Blocks re-read the weights once per block where one block re-reads x once per panel: a block of fewer rows than a
-# panel has columns (K above ~2,700) would re-read more than it saves, so such an x stays one block.
+# A block re-reads the weights where one block re-reads x once per panel: blocks of fewer than MIN_BLOCK_ROWS rows (K
+# above ~1,600) re-read too much. Measured on the project's 2-core EPYC (512 KiB L2 a core, 32 MiB L3), one thread,
+# 2,048 tokens, blocked / one block: the default model's q|k|v, o, gate|up 0.67-0.98 and down (K 1,536) 0.73-0.87;
+# other shapes 0.78-0.94 with blocks of 42-113 rows (weights of 8-38 MB), 0.92-1.09 with 32, 1.20-1.31 with 25 and
+# 1.32 with 16; 1,024 tokens: down 0.86; 512 tokens: no gain.
 BLOCK_ABOVE_BYTES = 4 << 20
+MIN_BLOCK_ROWS = 40
 ROW_BLOCK_BYTES = 256 << 10
 
 
@@ -67,7 +68,7 @@ class PackedWeight:
 def row_block(m: int, k: int) -> int:
     """Rows per block of the GEMM over x [m, k] float32 (0: one block); the result does not depend on it."""
     rows = ROW_BLOCK_BYTES // (4 * k)
-    return rows if m * k * 4 > BLOCK_ABOVE_BYTES and rows > PANEL else 0
+    return rows if m * k * 4 > BLOCK_ABOVE_BYTES and rows >= MIN_BLOCK_ROWS else 0
 
 
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],

@@ -256,7 +256,7 @@ def test_packed_gemm_row_blocks_give_the_same_bits(threads, monkeypatch):
     """A long prefill chunk's GEMM takes x in row blocks (kernels/cpu_linear.row_block): with and without LoRA
     deltas in its tiles, any block size (a multiple of the 4-row tile or not, a last block shorter than the others)
     gives bitwise the result of one block, and an x above the size where blocks start is really split (unless its
-    rows are so long that a block would hold fewer rows than a weight panel has columns)."""
+    rows are so long that a block would hold only a few)."""
     from loom.kernels import cpu_linear
     from loom.kernels.cpu_linear import PackedWeight
 
@@ -265,7 +265,7 @@ def test_packed_gemm_row_blocks_give_the_same_bits(threads, monkeypatch):
     K, offs = 576, [0, 48, 61, 61 + 30]
     T = cpu_linear.BLOCK_ABOVE_BYTES // (4 * K) + 37
     assert 0 < cpu_linear.row_block(T, K) < T and cpu_linear.row_block(T - 40, K) == 0
-    assert cpu_linear.row_block(1 << 16, 8192) == 0  # blocks of a few rows would re-read the weights too often
+    assert cpu_linear.row_block(1 << 16, 2048) == 0  # blocks of a few rows would re-read the weights too often
     meta, R, owner = contiguous_lora_meta([(0, T - 700), (-1, 3), (1, 697)], [16, 5])
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
     pw = PackedWeight(w, bias)
