@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -275,6 +276,15 @@ def hot_load(args, llm, root, hf_cfg, prompts) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
+    try:
+        bench(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # 33 rank-16 adapters of the default model are ~600 MB
+
+
+def bench(args, root: str) -> None:
+    """Writes the adapters into root, runs loom (and vLLM when asked), prints the report."""
     import torch
     from transformers import AutoConfig
 
@@ -283,7 +293,6 @@ def main(argv=None) -> None:
 
     model = args.model or bc.default_model_dir()
     hf_cfg = AutoConfig.from_pretrained(model)
-    root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
     n = args.requests
     t0 = time.perf_counter()
     for i in range(n):

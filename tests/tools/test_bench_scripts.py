@@ -109,6 +109,24 @@ def test_bench_overhead_smoke(tmp_path):
         assert one_file(tmp_path, "bench_overhead-*.png").stat().st_size > 0
 
 
+# ---- bench_lora -------------------------------------------------------------------------------------
+
+def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
+    """bench_lora at a tiny size: every scenario's tokens/s, the targets, the JSON; and the adapters it wrote into a
+    temporary folder (~600 MB at the default size) are gone when it ends."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    out = tmp_path / "lora.json"
+    p = run_script("bench_lora.py", "--requests", "2", "--prompt-len", "4", "--max-tokens", "2", "--repeats", "1",
+                   "--no-hot-load", "--lora-memory-mb", "64", "--json", str(out))
+    assert "TARGET one adapter" in p.stdout, p.stdout
+    loom = json.loads(out.read_text())["loom"]
+    for name in ("no_lora", "one_adapter", "distinct_adapters"):
+        assert loom[name]["tokens_per_s"] > 0, name
+    assert not list(tmp.glob("loom-bench-adapters-*"))
+
+
 # ---- bench_lora_floor -------------------------------------------------------------------------------
 
 def test_bench_lora_floor_smoke(tmp_path):
