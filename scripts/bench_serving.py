@@ -155,12 +155,17 @@ class Result:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.chunks)
 
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from send to the first chunk (None: no chunk came)."""
+        return self.chunks[0][0] - self.t_send if self.chunks else None
+
 
 def summarize_run(results: list[Result], reqs: list[Req]) -> dict:
     ok = [r for r in results if r.error is None and r.chunks]
-    ttft = [r.chunks[0][0] - r.t_send for r in ok]
+    ttft = [r.ttft for r in ok]
     e2e = [r.t_end - r.t_send for r in ok]
-    itl = [(r.t_end - r.t_send - (r.chunks[0][0] - r.t_send)) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
+    itl = [(r.t_end - r.t_send - r.ttft) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
     tokens = sum(r.num_tokens for r in ok)
     spans: dict[int, tuple[float, float]] = {}
     for r in results:
@@ -174,7 +179,7 @@ def summarize_run(results: list[Result], reqs: list[Req]) -> dict:
             "wrong_token_count": short, "output_tokens": tokens, "duration_s": dur, "output_tok_s": tokens / dur,
             "req_s": len(ok) / dur, "ttft_s": bc.summarize(ttft), "itl_s": bc.summarize(itl),
             "e2e_s": bc.summarize(e2e),
-            "per_request": [{"ttft": r.chunks[0][0] - r.t_send if r.chunks else None, "e2e": r.t_end - r.t_send,
+            "per_request": [{"ttft": r.ttft, "e2e": r.t_end - r.t_send,
                              "tokens": r.num_tokens, "error": r.error} for r in results]}
 
 
@@ -511,7 +516,7 @@ def paired_ttft_added(tri: list[list[Result]], off: list[list[Result]]) -> list[
         for r in a:
             o = theirs.get(r.idx)
             if o is not None and r.error is None and r.chunks:
-                out.append(((r.chunks[0][0] - r.t_send) - (o.chunks[0][0] - o.t_send)) * 1e3)
+                out.append((r.ttft - o.ttft) * 1e3)
     return out
 
 
