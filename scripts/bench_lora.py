@@ -3,17 +3,19 @@
 vLLM's CPU build on the same adapters, prompts and tokens; then hot-load latency and the inter-token latency
 of running requests while an adapter loads (loom only).
 
-    python scripts/bench_lora.py --threads 1 --vllm-python /path/to/vllm-venv/bin/python \\
+    python scripts/bench_lora.py --threads 1 2 --vllm-python /path/to/vllm-venv/bin/python \\
         --vllm-preload "$TCMALLOC:$VENV/lib/libiomp5.so"
     python scripts/bench_lora.py [--model DIR] [--requests 32] [--prompt-len 64] [--max-tokens 32] [--rank 16]
-                                 [--threads 1] [--compile eager|compiled] [--json out.json] [--no-hot-load]
+                                 [--threads 1 [2]] [--compile eager|compiled] [--json out.json] [--no-hot-load]
 
 Adapters are synthetic PEFT adapters (random A/B on q/k/v/o/gate/up/down) written for the model into a temp
 adapter root; vLLM loads the same folders. Prompts are random token ids; decoding is greedy with ignore_eos, so
 every request makes exactly --max-tokens tokens. Each scenario is the best of --repeats timed batches after a
 warm-up that ran every scenario once with 2 tokens (adapters loaded, shapes seen), for both systems; loom runs
 its scenarios round by round (none, one, distinct, then again) and also prints the ratios within each round,
-which a slow minute of a shared machine moves less than it moves best-of figures taken minutes apart. vLLM's
+which a slow minute of a shared machine moves less than it moves best-of figures taken minutes apart. With
+several --threads, loom runs once per thread count (a new engine each) and each is also set against the vLLM
+setting that computes on as many threads (equal compute). vLLM's
 no-LoRA figure is its plain engine (compiled, as a user without adapters runs it); its adapter rows are an
 engine with enable_lora (eager, as vLLM runs LoRA on CPU) with max_loras = the adapters + 1 spare slot (vLLM
 0.32's CPU LoRA gives base requests batched with adapters the last slot's adapter, vllm#48421: the spare,
@@ -83,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="loom's compute threads")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+                    help="loom's compute threads; several: one loom run per count")
     ap.add_argument("--compile", default="eager", choices=("eager", "compiled"), help="loom's CPU forward")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -139,12 +142,20 @@ def same(a, b) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
+def adapter_ratios(res: dict) -> tuple[float, float]:
+    """One adapter's and the distinct adapters' tokens/s over the same system's no-LoRA tokens/s."""
+    base = res["no_lora"]["tokens_per_s"]
+    one, dis = (bc.ratio(res[s]["tokens_per_s"], base) for s in ("one_adapter", "distinct_adapters"))
+    return one, dis
+
+
 def report(results: dict, args) -> str:
-    loom, vl = results["loom"], results.get("vllm") or {}
+    looms, vl = results["loom"], results.get("vllm") or {}  # looms: {compute threads (str): its results}
     n = args.requests
     lines = [f"{n} requests x {args.max_tokens} tokens, {args.prompt_len}-token random prompts, rank-{args.rank} "
-             f"adapters on all 7 projections, greedy, all at t0; loom {args.compile} with {args.threads} compute "
-             f"thread(s); best of {args.repeats}; other CPU s = other processes during the timed batches"]
+             f"adapters on all 7 projections, greedy, all at t0; loom {args.compile} with "
+             f"{' and '.join(looms)} compute thread(s); best of {args.repeats}; other CPU s = other processes "
+             "during the timed batches"]
     rows = []
 
     def row(name, res, ref=None):
@@ -165,7 +176,8 @@ def report(results: dict, args) -> str:
         row("vllm (best)", vl)
         for s, res in vl.get("_per_setting", {}).items():
             row(f"vllm {s} ({compute_threads(s)}t)", res)
-    row("loom", loom, vl or None)
+    for t, res in looms.items():
+        row(f"loom ({t}t)", res, vl or None)
     lines.append(bc.table(["system", "no LoRA tok/s", "one adapter", "ratio", f"{n} distinct", "ratio",
                            "same tokens as vLLM (none/one/distinct)", "other CPU s (max)", "start-up s"], rows))
     if vl:
@@ -176,34 +188,45 @@ def report(results: dict, args) -> str:
                      f"{vl.get('no_lora_lora_engine', {}).get('tokens_per_s', float('nan')):.1f} tok/s")
         startups = {k: v["startup_s"] for k, v in vl["_all"].items() if "error" not in v}
         lines.append("start-up (load + compile): " + ", ".join(f"{k} {v:.1f}s" for k, v in startups.items())
-                     + f", loom {loom['startup_s']:.1f}s")
-    base = loom["no_lora"]["tokens_per_s"]
-    one, dis = (bc.ratio(loom[s]["tokens_per_s"], base) for s in ("one_adapter", "distinct_adapters"))
-    rounds = loom.get("rounds") or []
-    if len(rounds) > 1:  # ratios within each round (its three scenarios ran back to back)
-        per = {s: [bc.ratio(r[s], r["no_lora"]) for r in rounds] for s in ("one_adapter", "distinct_adapters")}
-        lines.append("loom, ratios within each round (one adapter / distinct): "
-                     + "; ".join(f"{a:.2f} / {b:.2f}" for a, b in zip(*per.values()))
-                     + f"; median {statistics.median(per['one_adapter']):.2f} / "
-                     f"{statistics.median(per['distinct_adapters']):.2f}")
-    checks = [(f"{n} distinct >= 0.85x loom's no-LoRA", dis >= 0.85, f"{dis:.2f}x"),
-              ("one adapter >= 0.95x", one >= 0.95, f"{one:.2f}x")]
+                     + "".join(f", loom {t}t {res['startup_s']:.1f}s" for t, res in looms.items()))
+    checks = []
+    for t, res in looms.items():
+        one, dis = adapter_ratios(res)
+        rounds = res.get("rounds") or []
+        if len(rounds) > 1:  # ratios within each round (its three scenarios ran back to back)
+            per = [adapter_ratios({s: {"tokens_per_s": r[s]} for s in SCENARIOS}) for r in rounds]
+            lines.append(f"loom ({t}t), ratios within each round (one adapter / distinct): "
+                         + "; ".join(f"{a:.2f} / {b:.2f}" for a, b in per)
+                         + f"; median {statistics.median(a for a, _ in per):.2f} / "
+                         f"{statistics.median(b for _, b in per):.2f}")
+        checks += [(f"loom ({t}t): {n} distinct >= 0.85x loom's no-LoRA", dis >= 0.85, f"{dis:.2f}x"),
+                   (f"loom ({t}t): one adapter >= 0.95x", one >= 0.95, f"{one:.2f}x")]
     if vl and all(s in vl for s in SCENARIOS):
+        v_one, v_dis = adapter_ratios(vl)
         vb = vl["no_lora"]["tokens_per_s"]
-        v_one, v_dis = (bc.ratio(vl[s]["tokens_per_s"], vb) for s in ("one_adapter", "distinct_adapters"))
-        checks += [("loom no-LoRA above vLLM's", base > vb, f"{base:.1f} vs {vb:.1f} tok/s"),
-                   ("both adapter ratios above vLLM's", one > v_one and dis > v_dis,
-                    f"one {one:.2f} vs {v_one:.2f}, distinct {dis:.2f} vs {v_dis:.2f}")]
-        ident = all(same(loom[s]["tokens"], vl[s]["tokens"]) == f"{n}/{n}" for s in SCENARIOS)
+        best = max(looms, key=lambda t: looms[t]["no_lora"]["tokens_per_s"])
+        base = looms[best]["no_lora"]["tokens_per_s"]
+        checks.append((f"loom no-LoRA above vLLM's (loom {best}t, vLLM {vl['no_lora']['setting']})", base > vb,
+                       f"{base:.1f} vs {vb:.1f} tok/s"))
+        for t, res in looms.items():
+            one, dis = adapter_ratios(res)
+            checks.append((f"loom ({t}t): both adapter ratios above vLLM's", one > v_one and dis > v_dis,
+                           f"one {one:.2f} vs {v_one:.2f}, distinct {dis:.2f} vs {v_dis:.2f}"))
+        ident = all(same(res[s]["tokens"], vl[s]["tokens"]) == f"{n}/{n}" for res in looms.values() for s in SCENARIOS)
         checks.append((f"tokens identical {n}/{n} in every row", ident, ""))
-        eq = next((s for s in vl.get("_per_setting", {}) if compute_threads(s) == args.threads), None)
-        if eq is not None:  # against vLLM computing on as many threads as loom
+        for t, res in looms.items():  # against vLLM computing on as many threads as loom
+            eq = next((s for s in vl.get("_per_setting", {}) if compute_threads(s) == int(t)), None)
+            if eq is None:
+                continue
             v = vl["_per_setting"][eq]
             vb = v["no_lora"]["tokens_per_s"]
-            v_one, v_dis = (bc.ratio(v[s]["tokens_per_s"], vb) for s in ("one_adapter", "distinct_adapters"))
-            checks += [(f"at equal compute (vLLM {eq}): loom no-LoRA above vLLM's", base > vb,
+            base = res["no_lora"]["tokens_per_s"]
+            one, dis = adapter_ratios(res)
+            v_one, v_dis = adapter_ratios(v)
+            checks += [(f"at equal compute (loom {t}t, vLLM {eq}): loom no-LoRA above vLLM's", base > vb,
                         f"{base:.1f} vs {vb:.1f} tok/s"),
-                       (f"at equal compute (vLLM {eq}): both adapter ratios above vLLM's", one > v_one and dis > v_dis,
+                       (f"at equal compute (loom {t}t, vLLM {eq}): both adapter ratios above vLLM's",
+                        one > v_one and dis > v_dis,
                         f"one {one:.2f} vs {v_one:.2f}, distinct {dis:.2f} vs {v_dis:.2f}")]
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
@@ -283,13 +306,57 @@ def main(argv=None) -> None:
         shutil.rmtree(root, ignore_errors=True)  # 33 rank-16 adapters of the default model are ~600 MB
 
 
+def run_loom(args, model: str, root: str, hf_cfg, prompts, threads: int, hot: bool) -> tuple[dict, dict | None]:
+    """loom with `threads` compute threads: warm-up, then the scenarios round by round; -> (results, hot load)."""
+    import torch
+
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
+
+    n = args.requests
+    t0 = time.perf_counter()
+    llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
+              lora_memory_bytes=args.lora_memory_mb << 20, max_num_seqs=max(n, 8), max_host_adapters=n + 8,
+              enable_prefix_caching=False, cpu_threads=threads, cpu_compile=args.compile == "compiled")
+    startup = time.perf_counter() - t0
+    eng, reg = llm.engine, llm.engine.adapters
+    if reg.info()["capacity_rows"] < (n + 1) * args.rank:  # else the distinct run waits for adapter rows, not compute
+        raise SystemExit(f"--lora-memory-mb {args.lora_memory_mb} holds {reg.info()['capacity_rows']} rank rows, "
+                         f"fewer than the {n + 1} rank-{args.rank} adapters of the run: raise it")
+    bc.progress(f"loom: device={eng.runner.device} dtype={eng.runner.dtype} {torch.get_num_threads()} threads, "
+                f"start-up {startup:.1f}s, lora pool: {reg.info()}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    scenarios = scenario_loras(n)
+    # warm-up: every scenario once with 2 tokens (every adapter resident: load latency is measured separately)
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for loras in scenarios.values():
+        run_batch(llm, prompts, warm, loras)
+    loom: dict = {"startup_s": startup, "torch_threads": torch.get_num_threads(), "rounds": []}
+    for k in range(args.repeats):  # the scenarios round by round: a slow minute of the machine hits all of a round
+        tps = {}
+        for name, loras in scenarios.items():
+            r = run_batch(llm, prompts, params, loras)
+            tps[name] = r["tokens_per_s"]
+            if name not in loom or r["tokens_per_s"] > loom[name]["tokens_per_s"]:
+                loom[name] = r
+        loom["rounds"].append(tps)
+        bc.progress(f"loom {threads}t round {k + 1}: " + ", ".join(f"{n} {v:.1f}" for n, v in tps.items()) + " tok/s")
+    load = None
+    if hot:
+        load = hot_load(args, llm, root, hf_cfg, prompts)
+        bc.progress(f"hot load: {json.dumps(load)}")
+    reg.close()
+    return loom, load
+
+
+def scenario_loras(n: int) -> dict[str, list]:
+    return {"no_lora": [None] * n, "one_adapter": ["ad0"] * n, "distinct_adapters": [f"ad{i}" for i in range(n)]}
+
+
 def bench(args, root: str) -> None:
     """Writes the adapters into root, runs loom (and vLLM when asked), prints the report."""
     import torch
     from transformers import AutoConfig
-
-    from loom.engine.llm import LLM
-    from loom.engine.sampling_params import SamplingParams
 
     model = args.model or bc.default_model_dir()
     hf_cfg = AutoConfig.from_pretrained(model)
@@ -299,51 +366,22 @@ def bench(args, root: str) -> None:
         write_adapter(os.path.join(root, f"ad{i}"), hf_cfg, seed=i, r=args.rank)
     write_adapter(os.path.join(root, "hot"), hf_cfg, seed=10_000, r=16)
     bc.progress(f"wrote {n + 1} rank-{args.rank} adapters in {time.perf_counter() - t0:.1f}s to {root}")
-
-    t0 = time.perf_counter()
-    llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
-              lora_memory_bytes=args.lora_memory_mb << 20, max_num_seqs=max(n, 8), max_host_adapters=n + 8,
-              enable_prefix_caching=False, cpu_threads=args.threads, cpu_compile=args.compile == "compiled")
-    startup = time.perf_counter() - t0
-    eng, reg = llm.engine, llm.engine.adapters
-    if reg.info()["capacity_rows"] < (n + 1) * args.rank:  # else the distinct run waits for adapter rows, not compute
-        raise SystemExit(f"--lora-memory-mb {args.lora_memory_mb} holds {reg.info()['capacity_rows']} rank rows, "
-                         f"fewer than the {n + 1} rank-{args.rank} adapters of the run: raise it")
-    bc.progress(f"loom: device={eng.runner.device} dtype={eng.runner.dtype} {torch.get_num_threads()} threads, "
-                f"start-up {startup:.1f}s, lora pool: {reg.info()}")
     g = torch.Generator().manual_seed(0)
-    vocab = eng.runner.vocab_size
-    prompts = [torch.randint(10, vocab - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    scenarios = {"no_lora": [None] * n, "one_adapter": ["ad0"] * n, "distinct_adapters": [f"ad{i}" for i in range(n)]}
-    # warm-up: every scenario once with 2 tokens (every adapter resident: load latency is measured separately)
-    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for loras in scenarios.values():
-        run_batch(llm, prompts, warm, loras)
-    loom: dict = {"startup_s": startup, "rounds": []}
-    for k in range(args.repeats):  # the scenarios round by round: a slow minute of the machine hits all of a round
-        tps = {}
-        for name, loras in scenarios.items():
-            r = run_batch(llm, prompts, params, loras)
-            tps[name] = r["tokens_per_s"]
-            if name not in loom or r["tokens_per_s"] > loom[name]["tokens_per_s"]:
-                loom[name] = r
-        loom["rounds"].append(tps)
-        bc.progress(f"loom round {k + 1}: " + ", ".join(f"{n} {v:.1f}" for n, v in tps.items()) + " tok/s")
-    results = {"loom": loom}
-    if not args.no_hot_load:
-        results["hot_load"] = hot_load(args, llm, root, hf_cfg, prompts)
-        bc.progress(f"hot load: {json.dumps(results['hot_load'])}")
-    reg.close()
-    del llm, eng, reg
+    prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
+    results: dict = {"loom": {}}
+    for i, threads in enumerate(dict.fromkeys(args.threads)):  # the hot load once, with the first engine
+        results["loom"][str(threads)], load = run_loom(args, model, root, hf_cfg, prompts, threads,
+                                                       hot=i == 0 and not args.no_hot_load)
+        if load is not None:
+            results["hot_load"] = load
     if args.vllm_python:
-        results["vllm"] = run_vllm(args, model, root, prompts, scenarios)
+        results["vllm"] = run_vllm(args, model, root, prompts, scenario_loras(n))
     text = report(results, args)
     print(text, flush=True)
     if "hot_load" in results:
         print("hot load (loom):", json.dumps(results["hot_load"], indent=1), flush=True)
     results["report"] = text
-    results["config"] = vars(args) | {"model": model, "torch_threads": torch.get_num_threads()}
+    results["config"] = vars(args) | {"model": model}
     results["machine"] = bc.machine_info()
     if args.json:
         with open(args.json, "w") as f:

@@ -112,19 +112,61 @@ def test_bench_overhead_smoke(tmp_path):
 # ---- bench_lora -------------------------------------------------------------------------------------
 
 def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
-    """bench_lora at a tiny size: every scenario's tokens/s, the targets, the JSON; and the adapters it wrote into a
-    temporary folder (~600 MB at the default size) are gone when it ends."""
+    """bench_lora at a tiny size with two thread counts: every scenario's tokens/s, the targets, the JSON; and the
+    adapters it wrote into a temporary folder (~600 MB at the default size) are gone when it ends."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))
     out = tmp_path / "lora.json"
     p = run_script("bench_lora.py", "--requests", "2", "--prompt-len", "4", "--max-tokens", "2", "--repeats", "1",
-                   "--no-hot-load", "--lora-memory-mb", "64", "--json", str(out))
-    assert "TARGET one adapter" in p.stdout, p.stdout
-    loom = json.loads(out.read_text())["loom"]
-    for name in ("no_lora", "one_adapter", "distinct_adapters"):
-        assert loom[name]["tokens_per_s"] > 0, name
+                   "--no-hot-load", "--lora-memory-mb", "64", "--threads", "1", "2", "--json", str(out))
+    for t in (1, 2):  # one engine per thread count, each with its own row and targets
+        assert f"TARGET loom ({t}t): one adapter" in p.stdout, p.stdout
+    looms = json.loads(out.read_text())["loom"]
+    from loom.engine.cpu import available_cores
+
+    assert [looms[t]["torch_threads"] for t in ("1", "2")] == [1, min(2, available_cores())]
+    for loom in looms.values():
+        for name in ("no_lora", "one_adapter", "distinct_adapters"):
+            assert loom[name]["tokens_per_s"] > 0, name
+            assert all(len(tokens) == 2 for tokens in loom[name]["tokens"]), name
     assert not list(tmp.glob("loom-bench-adapters-*"))
+
+
+def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
+    """Each loom thread count is set against the vLLM setting computing on as many threads; the no-LoRA target takes
+    loom's best against vLLM's best; token agreement covers every loom row."""
+    import argparse
+
+    import bench_lora as bl
+
+    def res(none, one, dis, tokens=((1, 2), (3, 4))):
+        cpu = {"other_cpu_s": 0.0}
+        out = {sc: {"tokens_per_s": v, "tokens": [list(t) for t in tokens], "cpu": cpu}
+               for sc, v in zip(bl.SCENARIOS, (none, one, dis))}
+        return out | {"startup_s": 1.0}
+
+    v1, v2 = res(60.0, 18.0, 18.0), res(100.0, 30.0, 33.0)  # vLLM "0" computes on 1 thread, "0,1" on 2
+    vllm = {sc: v2[sc] | {"setting": "0,1", "startup_s": 90.0} for sc in bl.SCENARIOS}
+    vllm |= {"_per_setting": {"0": v1, "0,1": v2}, "_all": {"vllm plain 0": {"startup_s": 90.0}}}
+    looms = {"1": res(70.0, 68.0, 50.0) | {"rounds": []},  # at equal compute: above vLLM "0" in every way
+             "2": res(95.0, 93.0, 80.0, tokens=((1, 2), (3, 5))) | {"rounds": []}}  # below vLLM's best; one row differs
+    args = argparse.Namespace(requests=2, max_tokens=2, prompt_len=4, rank=16, compile="eager", repeats=1)
+    text = bl.report({"loom": looms, "vllm": vllm}, args)
+
+    def met(target: str) -> bool:
+        lines = [ln for ln in text.splitlines() if ln.startswith(f"TARGET {target}: ")]
+        assert len(lines) == 1, (target, text)
+        return not lines[0].endswith("NOT met")
+
+    assert met("at equal compute (loom 1t, vLLM 0): loom no-LoRA above vLLM's")
+    assert met("at equal compute (loom 1t, vLLM 0): both adapter ratios above vLLM's")
+    assert not met("at equal compute (loom 2t, vLLM 0,1): loom no-LoRA above vLLM's")
+    assert met("at equal compute (loom 2t, vLLM 0,1): both adapter ratios above vLLM's")
+    assert not met("loom no-LoRA above vLLM's (loom 2t, vLLM 0,1)")  # loom's best (2t) against vLLM's best
+    assert not met("tokens identical 2/2 in every row")
+    assert met("loom (1t): one adapter >= 0.95x") and not met("loom (1t): 2 distinct >= 0.85x loom's no-LoRA")
+    assert "loom (1t)" in text and "loom (2t)" in text and "vllm 0,1 (2t)" in text
 
 
 # ---- bench_lora_floor -------------------------------------------------------------------------------
