@@ -44,6 +44,8 @@ log = logging.getLogger("loom.async_engine")
 # Steps the loop may run before the output worker has processed them (the worker's time overlaps the next step;
 # more lead would only let output, and the aborts stop strings cause, fall behind).
 MAX_STEPS_AHEAD = 2
+# A step with a request's first token and at most this many outputs yields the GIL to the output worker at once.
+YIELD_MAX_OUTPUTS = 4
 
 
 @dataclass
@@ -430,6 +432,12 @@ class AsyncEngine:
         except Exception:
             stats = self._stats
         self._post("step", outputs, stats, time.monotonic())
+        if len(outputs) <= YIELD_MAX_OUTPUTS and any(o.timing is not None for o in outputs):
+            # A request's first token at light load: hand the GIL to the output worker now, or it waits until the
+            # next step's host work reaches a call that releases it (TTFT's detokenize stage at one request: 0.9-1.0
+            # ms p50 before, 0.5-0.7 after). The loop waits while the worker handles these few outputs; with more,
+            # or for later tokens (a constant delay leaves the inter-token latency as is), it goes straight on.
+            time.sleep(0)
         fatal = getattr(self.engine, "fatal_error", None)  # a sticky device error: every later step would fail
         if fatal:
             self._mark_unhealthy(fatal)
