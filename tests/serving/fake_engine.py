@@ -6,6 +6,7 @@ step: the next letter after the last prompt/output token. KV blocks: one per 4 t
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -119,7 +120,9 @@ class FakeEngine:
             done = r.out >= r.max_tokens
             if done:
                 del self.running[r.rid]
-            outs.append(StepOutput(r.rid, [tok], lp, done, "length" if done else None, r.n_prompt, 0, r.cum))
+            timing = (time.monotonic(), time.monotonic()) if r.out == 1 else None  # as the engine: first token only
+            outs.append(StepOutput(r.rid, [tok], lp, done, "length" if done else None, r.n_prompt, 0, r.cum,
+                                   timing=timing))
         return outs
 
     def stats(self):

@@ -175,6 +175,42 @@ def test_the_loop_thread_does_only_engine_work():
     assert max(ahead) <= MAX_STEPS_AHEAD - 1
 
 
+def test_a_first_token_at_light_load_yields_the_gil_once(monkeypatch):
+    """The loop yields the GIL (sleep(0)) after a step carrying a request's first token among at most
+    YIELD_MAX_OUTPUTS outputs, so the output worker takes it at once; later tokens and busier steps do not yield."""
+    import loom.serving.async_engine as mod
+
+    yields = []
+
+    class Time:  # the module's `time`, recording the loop thread's sleep(0)
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def sleep(self, s):
+            if s == 0 and threading.current_thread().name == "loom-engine-loop":
+                yields.append(s)
+            time.sleep(s)
+
+    monkeypatch.setattr(mod, "time", Time())
+    eng, ae, _ = make()
+    c = Collector()
+    ae.submit("r1", [0], SamplingParams(max_tokens=4), on_output=c)
+    wait(c)
+    assert len(yields) == 1  # its first token, not the three after it
+    monkeypatch.setattr(mod, "YIELD_MAX_OUTPUTS", 1)
+    long = Collector()
+    ae.submit("long", [0], SamplingParams(max_tokens=100000), on_output=long)
+    assert wait_for(lambda: len(long.deltas) >= 2)
+    assert len(yields) == 2  # the long request's first token came alone
+    c2 = Collector()
+    ae.submit("r2", [0], SamplingParams(max_tokens=2), on_output=c2)
+    wait(c2)
+    assert len(yields) == 2  # r2's first token shared its step with the long request's token: 2 outputs > 1
+    ae.abort("long")
+    wait(long)
+    ae.shutdown()
+
+
 def test_overload_is_refused_immediately():
     gate = threading.Event()
     eng, ae, _ = make(gate=gate, max_queue_size=2)
