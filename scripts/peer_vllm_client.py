@@ -32,9 +32,12 @@ def run_vllm_peer(vllm_python: str, job: dict, timeout_s: float, env: dict | Non
         with open(job_path, "w") as f:
             json.dump(job, f)
         with open(log_path, "w") as log:
-            # Own session, so a timeout can kill the engine-core process vLLM spawns too.
+            # Own session, so a timeout can kill the engine-core process vLLM spawns too. Working folder: the
+            # temporary one - vLLM inspects models in `python -m` subprocesses, which put their working folder on
+            # sys.path, and from this repository's root transformers then imports our kernels/ as its optional
+            # `kernels` package (vLLM 0.32 with transformers 5.19: "No module named 'loom'", every model refused).
             proc = subprocess.Popen([vllm_python, str(PEER), "--job", job_path, "--out", out_path],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp,
                                     env={**os.environ, **(env or {})})
             try:
                 rc = proc.wait(timeout=timeout_s)

@@ -169,6 +169,27 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     assert "loom (1t)" in text and "loom (2t)" in text and "vllm 0,1 (2t)" in text
 
 
+def test_vllm_peer_runs_where_this_repository_is_not_importable(tmp_path, monkeypatch):
+    """The vLLM peer runs from a folder where `python -m` / `-c` helpers (vLLM inspects models that way) do not find
+    this repository's top-level kernels/ as a `kernels` package (transformers imports an installed `kernels` if it
+    finds one; from the repository's root vLLM then refused every model). A stand-in peer reports what its own
+    helper process can import."""
+    import peer_vllm_client as pvc
+
+    fake = tmp_path / "fake_peer.py"
+    fake.write_text(
+        "import json, os, subprocess, sys\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "probe = 'import importlib.util; print(importlib.util.find_spec(\"kernels\") is not None)'\n"
+        "seen = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True).stdout.strip()\n"
+        "json.dump({'cwd': os.getcwd(), 'kernels_importable': seen}, open(out, 'w'))\n")
+    monkeypatch.setattr(pvc, "PEER", fake)
+    monkeypatch.chdir(ROOT)  # where the benchmarks are run from
+    res = pvc.run_vllm_peer(sys.executable, {"job": 1}, timeout_s=120)
+    assert Path(res["cwd"]).resolve() != ROOT
+    assert res["kernels_importable"] == "False"
+
+
 # ---- bench_lora_floor -------------------------------------------------------------------------------
 
 def test_bench_lora_floor_smoke(tmp_path):
