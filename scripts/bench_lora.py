@@ -182,7 +182,8 @@ def report(results: dict, args) -> str:
                            "same tokens as vLLM (none/one/distinct)", "other CPU s (max)", "start-up s"], rows))
     if vl:
         settings = {sc: vl[sc]["setting"] for sc in SCENARIOS if sc in vl}
-        lines.append(f"vLLM {next(iter(vl.values())).get('vllm_version', '?')}: best thread setting per row "
+        version = next((v["vllm_version"] for v in vl.values() if isinstance(v, dict) and v.get("vllm_version")), "?")
+        lines.append(f"vLLM {version}: best thread setting per row "
                      f"{settings}; its LoRA engine: max_loras {vl.get('one_adapter', {}).get('max_loras')} "
                      f"(adapters + 1 spare slot, the vllm#48421 workaround), no-LoRA in that engine "
                      f"{vl.get('no_lora_lora_engine', {}).get('tokens_per_s', float('nan')):.1f} tok/s")

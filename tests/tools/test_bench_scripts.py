@@ -147,7 +147,7 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
         return out | {"startup_s": 1.0}
 
     v1, v2 = res(60.0, 18.0, 18.0), res(100.0, 30.0, 33.0)  # vLLM "0" computes on 1 thread, "0,1" on 2
-    vllm = {sc: v2[sc] | {"setting": "0,1", "startup_s": 90.0} for sc in bl.SCENARIOS}
+    vllm = {sc: v2[sc] | {"setting": "0,1", "startup_s": 90.0, "vllm_version": "0.32.0"} for sc in bl.SCENARIOS}
     vllm |= {"_per_setting": {"0": v1, "0,1": v2}, "_all": {"vllm plain 0": {"startup_s": 90.0}}}
     looms = {"1": res(70.0, 68.0, 50.0) | {"rounds": []},  # at equal compute: above vLLM "0" in every way
              "2": res(95.0, 93.0, 80.0, tokens=((1, 2), (3, 5))) | {"rounds": []}}  # below vLLM's best; one row differs
@@ -166,7 +166,7 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     assert not met("loom no-LoRA above vLLM's (loom 2t, vLLM 0,1)")  # loom's best (2t) against vLLM's best
     assert not met("tokens identical 2/2 in every row")
     assert met("loom (1t): one adapter >= 0.95x") and not met("loom (1t): 2 distinct >= 0.85x loom's no-LoRA")
-    assert "loom (1t)" in text and "loom (2t)" in text and "vllm 0,1 (2t)" in text
+    assert "loom (1t)" in text and "loom (2t)" in text and "vllm 0,1 (2t)" in text and "vLLM 0.32.0:" in text
 
 
 def test_vllm_peer_runs_where_this_repository_is_not_importable(tmp_path, monkeypatch):
