@@ -5,7 +5,7 @@ Plain C++ with a C ABI (no torch headers: it builds in seconds), compiled once p
 compiler into a per-user cache folder (never the repository) keyed by a hash of the source, flags and compiler
 (concurrent first builds take turns on a lock file; the library appears by atomic rename), and called through ctypes
 (which releases the GIL). Float32 only. AVX2/FMA intrinsics when the CPU has them (exp: the Cephes
-polynomial, about 1 ulp), plain loops otherwise. Parallel with OpenMP over independent work items, with
+polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has that too; plain loops otherwise. Parallel with OpenMP over independent work items, with
 torch's thread count; the library links libgomp.so.1, which resolves to the copy torch already loaded, so
 both share one thread pool. `load()` returns None when there is no compiler or the build fails: the
 callers then run the PyTorch references. The C++ lives in kernels/csrc/ (one file per kind of kernel).
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
+    "loom_gemm_panel_width": [],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],
     "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64,
@@ -57,15 +58,42 @@ _SIGNATURES = {
 }
 
 
+# instruction sets the kernels are built for, widest first: (name, the CPU flags it needs, compiler flags)
+ISAS = (("AVX-512", ("avx512f", "avx2", "fma"), ("-mavx2", "-mfma", "-mavx512f")),
+        ("AVX2", ("avx2", "fma"), ("-mavx2", "-mfma")))
+
+_RESTYPES = {"loom_gemm_panel_width": _I64}  # the others return nothing
+
+
 @functools.lru_cache(maxsize=None)
-def native_isa() -> tuple[str, ...]:
-    """AVX2+FMA when this CPU has them, else nothing (plain loops); the build is cached per flag set."""
+def cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        flags = []
-    return ("-mavx2", "-mfma") if "avx2" in flags and "fma" in flags else ()
+        return frozenset()
+
+
+def supported_isas() -> list[tuple[str, tuple[str, ...]]]:
+    """(name, compiler flags) of every instruction set in ISAS this CPU runs, widest first."""
+    return [(name, flags) for name, need, flags in ISAS if cpu_flags().issuperset(need)]
+
+
+@functools.lru_cache(maxsize=None)
+def native_isa() -> tuple[str, ...]:
+    """The widest instruction set this CPU has (AVX-512: the GEMM's register tile is twice as wide; AVX2+FMA), else
+    nothing (plain loops); the build is cached per flag set. LOOM_CPU_ISA=avx2 caps it (e.g. to compare)."""
+    isas = supported_isas()
+    cap = os.environ.get("LOOM_CPU_ISA", "").strip().lower().replace("-", "")
+    if cap:
+        names = [name.lower().replace("-", "") for name, _ in isas]
+        if cap in names:
+            isas = isas[names.index(cap):]
+    return isas[0][1] if isas else ()
+
+
+def isa_name(isa: tuple[str, ...]) -> str:
+    return next((name for name, _, flags in ISAS if flags == isa), "no AVX2")
 
 
 def cache_dir() -> Path:
@@ -116,7 +144,7 @@ def build(isa: tuple[str, ...]):
         return None
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, _RESTYPES.get(name)
     return lib
 
 
@@ -144,7 +172,7 @@ def describe() -> str:
     lib = load()
     if lib is None:
         return "CPU kernels unavailable (see the warning above): the PyTorch references run"
-    return f"CPU kernels: loom C++ ({'AVX2' if native_isa() else 'no AVX2'}) from {lib._name}"
+    return f"CPU kernels: loom C++ ({isa_name(native_isa())}) from {lib._name}"
 
 
 def usable(*tensors: torch.Tensor) -> bool:

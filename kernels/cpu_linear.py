@@ -15,7 +15,6 @@ import torch
 
 from loom.kernels import cpu_ext, torch_ops
 
-PANEL = 24  # columns per packed panel (the register tile's width)
 # A prefill chunk's x [tokens, K] above BLOCK_ABOVE_BYTES does not stay in the last-level cache beside the weights
 # while every weight panel passes over it: the GEMM then takes its rows in blocks of ROW_BLOCK_BYTES, which stay in L2.
 # A block re-reads the weights where one block re-reads x once per panel: blocks of fewer than MIN_BLOCK_ROWS rows (K
@@ -29,7 +28,8 @@ ROW_BLOCK_BYTES = 256 << 10
 
 
 class PackedWeight:
-    """W [N, K] float32 re-laid-out as panels [ceil(N / 24), K, 24]; holds a second copy of W."""
+    """W [N, K] float32 re-laid-out as panels [ceil(N / P), K, P], P = panel_width() (24 with AVX2, 48 with AVX-512);
+    holds a second copy of W."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None):
         """out: float32 memory for the panels (at least panels_numel(*weight.shape) elements; e.g. a slice of one
@@ -51,7 +51,8 @@ class PackedWeight:
 
     @staticmethod
     def panels_numel(out_features: int, in_features: int) -> int:
-        return -(-out_features // PANEL) * PANEL * in_features
+        p = panel_width()
+        return -(-out_features // p) * p * in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.compile one opaque op (the panels are a plain tensor: no freezing needed)
@@ -63,6 +64,11 @@ class PackedWeight:
         from loom.kernels.cpu_lora import linear_lora_cpu
 
         return linear_lora_cpu(x, self.panels, self.bias, self.out_features, lora_a, lora_b, slice_offsets, meta)
+
+
+def panel_width() -> int:
+    """Columns per packed panel: the register tile's width in the library this machine builds."""
+    return cpu_ext.build(cpu_ext.native_isa()).loom_gemm_panel_width()
 
 
 def row_block(m: int, k: int) -> int:

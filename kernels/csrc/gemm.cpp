@@ -1,12 +1,60 @@
 namespace {
 
-// ---- GEMM for linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W packed once into panels of 24 columns
-// (panel p: K rows of W[24p : 24p+24] transposed, zero-padded), a 4 x 24 register tile (12 accumulators).
+// ---- GEMM for linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W packed once into panels of NR columns
+// (panel p: K rows of W[NR p : NR p + NR] transposed, zero-padded), an MR x NR register tile: 4 x 24 (12 ymm
+// accumulators) with AVX2, 8 x 48 (24 zmm) with AVX-512, twice the FMA width. Every output element is one fma chain
+// over k in order whatever the tile, so both give the same bits.
 // While a panel's row tiles run, they prefetch the next panel into L2, so streaming the weights from memory
 // overlaps the FMAs instead of stalling the first tile of every panel.
+#ifdef __AVX512F__
+constexpr int64_t NR = 48;
+constexpr int MR = 8;
+#else
 constexpr int64_t NR = 24;
+constexpr int MR = 4;
+#endif
 
-#ifdef __AVX2__
+#ifdef __AVX512F__
+template <int R>
+inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, float* C, int64_t ldc, int64_t nc,
+                      const float* bias, const char* pf, int64_t pf_lines) {
+  __m512 c[R][3];
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+    _Pragma("GCC unroll 3") for (int v = 0; v < 3; ++v) c[i][v] = _mm512_setzero_ps();
+  const auto step = [&](int64_t k) __attribute__((always_inline)) {
+    const __m512 b0 = _mm512_loadu_ps(B + NR * k), b1 = _mm512_loadu_ps(B + NR * k + 16),
+                 b2 = _mm512_loadu_ps(B + NR * k + 32);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(A[i * lda + k]);
+      c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+      c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+      c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+    }
+  };
+  // one prefetch per k (a 48-column panel row is 3 cache lines), two k per iteration
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    if (k < pf_lines) _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
+    if (k + 1 < pf_lines) _mm_prefetch(pf + 64 * (k + 1), _MM_HINT_T1);
+    step(k);
+    step(k + 1);
+  }
+  for (; k < K; ++k) step(k);
+  if (nc == NR) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+      _Pragma("GCC unroll 3") for (int v = 0; v < 3; ++v)
+        _mm512_storeu_ps(C + i * ldc + 16 * v,
+                         bias ? _mm512_add_ps(c[i][v], _mm512_loadu_ps(bias + 16 * v)) : c[i][v]);
+    return;
+  }
+  alignas(64) float tmp[NR];
+  _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+    _Pragma("GCC unroll 3") for (int v = 0; v < 3; ++v) _mm512_store_ps(tmp + 16 * v, c[i][v]);
+    float* row = C + i * ldc;
+    for (int64_t j = 0; j < nc; ++j) row[j] = bias ? tmp[j] + bias[j] : tmp[j];
+  }
+}
+#elif defined(__AVX2__)
 template <int MR>
 inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, float* C, int64_t ldc, int64_t nc,
                       const float* bias, const char* pf, int64_t pf_lines) {
@@ -76,7 +124,7 @@ struct LoraEpilogue {
   // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice
   void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
 #ifdef __AVX2__
-    if (c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
+    if (NR == 24 && c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + int64_t(row[m]) * N + c0, N, rank[m],
@@ -136,7 +184,6 @@ struct LoraEpilogue {
 // element's arithmetic does not depend on mc.
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
           int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora) {
-  constexpr int MR = 4;
   const int64_t P = (N + NR - 1) / NR, panel_lines = (K * NR * 4 + 63) / 64;
   mc = mc >= M || mc <= 0 ? M : std::max<int64_t>(MR, mc / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += mc) {
@@ -154,6 +201,12 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
         float* c = C + m * ldc + p * NR;
         const int64_t mr = std::min<int64_t>(MR, m1 - m);
         switch (mr) {
+#ifdef __AVX512F__
+          case 8: gemm_tile<8>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          case 7: gemm_tile<7>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          case 6: gemm_tile<6>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+          case 5: gemm_tile<5>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
+#endif
           case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
           case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
           case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
@@ -169,7 +222,10 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
 
 extern "C" {
 
-// W [N, K] row-major -> panels Bp [ceil(N / 24), K, 24]
+// columns per packed panel: what loom_gemm_pack lays out and loom_gemm reads
+int64_t loom_gemm_panel_width() { return NR; }
+
+// W [N, K] row-major -> panels Bp [ceil(N / NR), K, NR]
 void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
   const int64_t P = (N + NR - 1) / NR;
   for (int64_t p = 0; p < P; ++p)

@@ -11,13 +11,13 @@ from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
-@pytest.fixture(scope="module", autouse=True, params=["native", "no-avx2"])
+@pytest.fixture(scope="module", autouse=True, params=[name for name, _ in cpu_ext.supported_isas()] + ["no-avx2"])
 def ext(request):
-    """Every test twice: the build for this CPU (AVX2/FMA intrinsics here) and the plain-loop build a CPU
-    without AVX2 gets (cached on disk like the other)."""
+    """Every test once per build this CPU runs (AVX-512 and AVX2/FMA intrinsics, as it has them) and with the
+    plain-loop build a CPU without AVX2 gets (cached on disk like the others)."""
+    flags = dict(cpu_ext.supported_isas()).get(request.param, ())
     with pytest.MonkeyPatch.context() as mp:
-        if request.param == "no-avx2":
-            mp.setattr(cpu_ext, "native_isa", lambda: ())
+        mp.setattr(cpu_ext, "native_isa", lambda: flags)
         m = cpu_ext.load()
         assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
         yield m
