@@ -5,10 +5,11 @@ Plain C++ with a C ABI (no torch headers: it builds in seconds), compiled once p
 compiler into a per-user cache folder (never the repository) keyed by a hash of the source, flags and compiler
 (concurrent first builds take turns on a lock file; the library appears by atomic rename), and called through ctypes
 (which releases the GIL). Float32 only. AVX2/FMA intrinsics when the CPU has them (exp: the Cephes
-polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has that too; plain loops otherwise. Parallel with OpenMP over independent work items, with
-torch's thread count; the library links libgomp.so.1, which resolves to the copy torch already loaded, so
-both share one thread pool. `load()` returns None when there is no compiler or the build fails: the
-callers then run the PyTorch references. The C++ lives in kernels/csrc/ (one file per kind of kernel).
+polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has that too; plain loops otherwise. Parallel with
+OpenMP over independent work items, with torch's thread count; the library links libgomp.so.1, which resolves to
+the copy torch already loaded, so both share one thread pool. `load()` returns None when there is no compiler or
+the build fails: the callers then run the PyTorch references. The C++ lives in kernels/csrc/ (one file per kind
+of kernel).
 """
 from __future__ import annotations
 
