@@ -123,8 +123,28 @@ struct LoraEpilogue {
 
   // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice
   void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
-#ifdef __AVX2__
-    if (NR == 24 && c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
+#if defined(__AVX512F__)
+    if (c1 - c0 == NR && row[m] >= 0 && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
+      for (int64_t s = 0; s < S; ++s)
+        if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
+          float* y = C + m * ldc + c0;
+          const float* cf = coef + m * coef_ld + s * rank_pad;
+          const float* bb = b + int64_t(row[m]) * N + c0;
+          switch (mr) {
+            case 8: tile<8>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 7: tile<7>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 6: tile<6>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 5: tile<5>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 4: tile<4>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 3: tile<3>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            case 2: tile<2>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+            default: tile<1>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
+          }
+          return;
+        }
+    }
+#elif defined(__AVX2__)
+    if (c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + int64_t(row[m]) * N + c0, N, rank[m],
@@ -152,7 +172,31 @@ struct LoraEpilogue {
     return true;
   }
 
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+  // R rows x 48 columns of one group, in the 16-wide part of their slice: 3R independent fma chains over the rank
+  // (each column's arithmetic as expand_block's), every B vector loaded once for the R rows
+  template <int R>
+  void tile(float* y, int64_t ldc, const float* cf, const float* bb, int64_t ldb, int64_t rk, float sc) const {
+    __m512 acc[R][3];
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rk; ++r) {
+      const __m512 b0 = _mm512_loadu_ps(bb + r * ldb), b1 = _mm512_loadu_ps(bb + r * ldb + 16),
+                   b2 = _mm512_loadu_ps(bb + r * ldb + 32);
+      _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
+        const __m512 c = _mm512_set1_ps(cf[i * coef_ld + r]);
+        acc[i][0] = _mm512_fmadd_ps(c, b0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(c, b1, acc[i][1]);
+        acc[i][2] = _mm512_fmadd_ps(c, b2, acc[i][2]);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(sc);
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i)
+      _Pragma("GCC unroll 3") for (int v = 0; v < 3; ++v) {
+        float* yr = y + i * ldc + 16 * v;
+        _mm512_storeu_ps(yr, _mm512_fmadd_ps(sv, acc[i][v], _mm512_loadu_ps(yr)));
+      }
+  }
+#elif defined(__AVX2__)
   // 4 rows x 24 columns of one group, in the 16-wide part of their slice: 12 independent fma chains over the rank
   // (each column's arithmetic as expand_block's), every B vector loaded once for the 4 rows
   void tile4(float* y, int64_t ldc, const float* cf, const float* bb, int64_t ldb, int64_t rk, float sc) const {

@@ -60,7 +60,16 @@ inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, c
 template <int TI>
 inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank,
                          float sc) {
-#ifdef __AVX2__
+#if defined(__AVX512F__)  // one vector a row: each column's arithmetic as below
+  __m512 acc[TI];
+  for (int i = 0; i < TI; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    const __m512 bv = _mm512_loadu_ps(b + r * ldb);
+    for (int i = 0; i < TI; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(coef[i][r]), bv, acc[i]);
+  }
+  const __m512 s = _mm512_set1_ps(sc);
+  for (int i = 0; i < TI; ++i) _mm512_storeu_ps(y[i], _mm512_fmadd_ps(s, acc[i], _mm512_loadu_ps(y[i])));
+#elif defined(__AVX2__)
   __m256 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < rank; ++r) {
@@ -132,6 +141,22 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
   int64_t c = c0;
 #ifdef __AVX2__
   const int64_t v1 = std::min(c1, vec_end);
+#ifdef __AVX512F__
+  for (; c + 48 <= v1; c += 48) {  // three independent fma chains of 16 columns
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m512 cr = _mm512_set1_ps(coef[r]);
+      const float* br = b + r * ldb + c;
+      a0 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br), a0);
+      a1 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br + 16), a1);
+      a2 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br + 32), a2);
+    }
+    const __m512 sv = _mm512_set1_ps(sc);
+    _mm512_storeu_ps(y + c, _mm512_fmadd_ps(sv, a0, _mm512_loadu_ps(y + c)));
+    _mm512_storeu_ps(y + c + 16, _mm512_fmadd_ps(sv, a1, _mm512_loadu_ps(y + c + 16)));
+    _mm512_storeu_ps(y + c + 32, _mm512_fmadd_ps(sv, a2, _mm512_loadu_ps(y + c + 32)));
+  }
+#endif
   for (; c + 24 <= v1; c += 24) {  // three independent fma chains
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
     for (int64_t r = 0; r < rank; ++r) {

@@ -262,6 +262,23 @@ def make_lora_meta(num_tokens, ranks, device, spare_rows=5):
     return meta, r + spare_rows, owner
 
 
+def contiguous_lora_meta(runs, ranks):
+    """Groups over consecutive tokens (prefill chunks), in token order; runs: (group or -1, tokens) in order."""
+    owner = torch.tensor([g for g, n in runs for _ in range(n)])
+    idx = [(owner == g).nonzero().squeeze(1) for g in range(len(ranks))]
+    segs = [0]
+    for t in idx:
+        segs.append(segs[-1] + len(t))
+    rows = [sum(ranks[:g]) + 2 * g for g in range(len(ranks))]
+    scal = (torch.rand(len(ranks)) + 0.5).tolist()
+    meta = LoraBatchMeta(
+        token_indices=torch.cat(idx), seg_starts=torch.tensor(segs, dtype=torch.int32),
+        row_start=torch.tensor(rows, dtype=torch.int32), ranks=torch.tensor(ranks, dtype=torch.int32),
+        scalings=torch.tensor(scal), max_rank=max(ranks), max_seg_len=max(len(t) for t in idx),
+        seg_starts_cpu=segs, row_start_cpu=rows, ranks_cpu=list(ranks), scalings_cpu=scal)
+    return meta, rows[-1] + ranks[-1] + 2, owner
+
+
 def rank_mask(meta, n_slices):
     m = torch.zeros(n_slices, meta.token_indices.shape[0], meta.max_rank, dtype=torch.bool)
     for g, rk in enumerate(meta.ranks_cpu):

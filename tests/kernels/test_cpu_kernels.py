@@ -152,25 +152,6 @@ def test_lora_cpu_vs_reference(threads, num_tokens, ranks, monkeypatch):
     assert kcases.rel_err(yw[:, :300] - y0, want - y0) < 1e-5
 
 
-def contiguous_lora_meta(runs, ranks):
-    """Groups over consecutive tokens (prefill chunks), in token order; runs: (group or -1, tokens) in order."""
-    from loom.layers.forward_context import LoraBatchMeta
-
-    owner = torch.tensor([g for g, n in runs for _ in range(n)])
-    idx = [(owner == g).nonzero().squeeze(1) for g in range(len(ranks))]
-    segs = [0]
-    for t in idx:
-        segs.append(segs[-1] + len(t))
-    rows = [sum(ranks[:g]) + 2 * g for g in range(len(ranks))]
-    scal = (torch.rand(len(ranks)) + 0.5).tolist()
-    meta = LoraBatchMeta(
-        token_indices=torch.cat(idx), seg_starts=torch.tensor(segs, dtype=torch.int32),
-        row_start=torch.tensor(rows, dtype=torch.int32), ranks=torch.tensor(ranks, dtype=torch.int32),
-        scalings=torch.tensor(scal), max_rank=max(ranks), max_seg_len=max(len(t) for t in idx),
-        seg_starts_cpu=segs, row_start_cpu=rows, ranks_cpu=list(ranks), scalings_cpu=scal)
-    return meta, rows[-1] + ranks[-1] + 2, owner
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fuse_min", [None, 1])  # None: the default split; 1: every group in the GEMM's tiles
 @pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens", "decode"])
@@ -178,8 +159,8 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     """The packed GEMM that adds the LoRA deltas to its output tiles gives bitwise the GEMM followed by the one-pass
     LoRA kernel (so also the references' result), for groups of consecutive tokens (whole and partial row tiles,
     tokens without an adapter between them), for scattered tokens and for one token per adapter (decode: tiles of
-    one token), slices of widths that are no multiple of the GEMM's 24 columns or of 16, ranks that are no multiple
-    of 4, with a bias."""
+    one token), slices of widths that are no multiple of the GEMM's panel (24 or 48 columns) or of 16, ranks that
+    are no multiple of 4, with a bias."""
     from loom.kernels import cpu_lora
     from loom.kernels.cpu_linear import PackedWeight
 
@@ -188,9 +169,9 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
         monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
     torch.manual_seed(5)
     if case == "prefill chunks":
-        meta, R, owner = contiguous_lora_meta([(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 45)], [16, 5, 8, 64])
+        meta, R, owner = kcases.contiguous_lora_meta([(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 45)], [16, 5, 8, 64])
     elif case == "decode":
-        meta, R, owner = contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
+        meta, R, owner = kcases.contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
     else:
         meta, R, owner = kcases.make_lora_meta(90, [16, 5, 8, 64], "cpu")
     T, K, offs = len(owner), 40, [0, 48, 61, 61 + 130]
@@ -266,7 +247,7 @@ def test_packed_gemm_row_blocks_give_the_same_bits(threads, monkeypatch):
     T = cpu_linear.BLOCK_ABOVE_BYTES // (4 * K) + 37
     assert 0 < cpu_linear.row_block(T, K) < T and cpu_linear.row_block(T - 40, K) == 0
     assert cpu_linear.row_block(1 << 16, 2048) == 0  # blocks of a few rows would re-read the weights too often
-    meta, R, owner = contiguous_lora_meta([(0, T - 700), (-1, 3), (1, 697)], [16, 5])
+    meta, R, owner = kcases.contiguous_lora_meta([(0, T - 700), (-1, 3), (1, 697)], [16, 5])
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
     pw = PackedWeight(w, bias)
     x, a, b = torch.randn(T, K), torch.randn(3, R, K), torch.randn(R, offs[-1])
