@@ -85,11 +85,15 @@ def native_isa() -> tuple[str, ...]:
     """The widest instruction set this CPU has (AVX-512: the GEMM's register tile is twice as wide; AVX2+FMA), else
     nothing (plain loops); the build is cached per flag set. LOOM_CPU_ISA=avx2 caps it (e.g. to compare)."""
     isas = supported_isas()
-    cap = os.environ.get("LOOM_CPU_ISA", "").strip().lower().replace("-", "")
-    if cap:
+    cap = os.environ.get("LOOM_CPU_ISA", "")
+    if cap.strip():
         names = [name.lower().replace("-", "") for name, _ in isas]
-        if cap in names:
-            isas = isas[names.index(cap):]
+        key = cap.strip().lower().replace("-", "")
+        if key in names:
+            isas = isas[names.index(key):]
+        else:
+            log.warning("LOOM_CPU_ISA=%r is none of %s (what this CPU runs): ignored", cap,
+                        ", ".join(name for name, _ in isas) or "nothing")
     return isas[0][1] if isas else ()
 
 

@@ -123,3 +123,23 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     ref = lora.lora_expand_ref(lora.lora_shrink_ref(xs[4], a, meta), b, offs, meta,
                                torch.nn.functional.linear(xs[4], w, bias))
     assert all(kcases.rel_err(y, ref) < 1e-5 for y in results[0][-2:])
+
+
+def test_loom_cpu_isa_caps_the_build(monkeypatch, caplog):
+    """LOOM_CPU_ISA=avx2 builds for AVX2 on a CPU with AVX-512 (what a comparison needs); a name this CPU does not
+    run is ignored with one warning that says what it runs."""
+    isas = cpu_ext.supported_isas()
+    try:
+        for value, want in (("avx2", dict(isas).get("AVX2")), ("AVX2", dict(isas).get("AVX2")), ("", isas[0][1])):
+            monkeypatch.setenv("LOOM_CPU_ISA", value)
+            cpu_ext.native_isa.cache_clear()
+            assert cpu_ext.native_isa() == want
+        monkeypatch.setenv("LOOM_CPU_ISA", "sse9")
+        cpu_ext.native_isa.cache_clear()
+        with caplog.at_level("WARNING", logger="loom"):
+            assert cpu_ext.native_isa() == isas[0][1]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"LOOM_CPU_ISA='sse9' is none of {', '.join(n for n, _ in isas)} (what this CPU runs): ignored"]
+    finally:
+        monkeypatch.delenv("LOOM_CPU_ISA")
+        cpu_ext.native_isa.cache_clear()

@@ -169,7 +169,8 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
         monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
     torch.manual_seed(5)
     if case == "prefill chunks":
-        meta, R, owner = kcases.contiguous_lora_meta([(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 45)], [16, 5, 8, 64])
+        runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 45)]
+        meta, R, owner = kcases.contiguous_lora_meta(runs, [16, 5, 8, 64])
     elif case == "decode":
         meta, R, owner = kcases.contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
     else:
