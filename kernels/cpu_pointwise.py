@@ -31,7 +31,7 @@ def fused_add_rms_norm_cpu(x, residual, weight, eps):
     if T:
         lib.loom_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                           0 if residual is None else residual.stride(0), weight.data_ptr(), eps, out.data_ptr(),
-                          out.stride(0), res_out.data_ptr(), res_out.stride(0), T, N)
+                          out.stride(0), res_out.data_ptr(), res_out.stride(0), T, N, cpu_ext.nthreads())
     return out, res_out
 
 
@@ -47,7 +47,8 @@ def rotary_embedding_cpu(positions, q, k, cos_sin_cache):
     T = q.shape[0]
     if T:
         lib.loom_rotary(positions.data_ptr(), cos_sin_cache.data_ptr(), q.shape[2], q.data_ptr(), q.stride(0),
-                        q.stride(1), q.shape[1], k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], T)
+                        q.stride(1), q.shape[1], k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], T,
+                        cpu_ext.nthreads())
 
 
 def silu_and_mul_cpu(x):
@@ -57,5 +58,5 @@ def silu_and_mul_cpu(x):
     T, two_i = x.shape
     out = torch.empty((T, two_i // 2), dtype=x.dtype)
     if T:
-        lib.loom_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), T, two_i // 2)
+        lib.loom_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), T, two_i // 2, cpu_ext.nthreads())
     return out

@@ -1,10 +1,17 @@
+namespace {
+// Rows in parallel from this many elements on (a prefill chunk); below it (a decode step's rows) a parallel region
+// costs more than it saves. Rows are independent: the same bits either way.
+constexpr int64_t POINTWISE_PARALLEL_MIN = 1 << 16;
+}  // namespace
+
 extern "C" {
 
 // ---- pointwise work between the GEMMs (one call per layer part instead of ~10 small torch ops)
 
 // res_out = x + res (or x); out = res_out * (1 / sqrt(mean(res_out^2) + eps)) * w, per row of N
 void loom_rms_norm(const float* x, int64_t xs, const float* res, int64_t rs, const float* w, float eps, float* out,
-                   int64_t os, float* res_out, int64_t ros, int64_t T, int64_t N) {
+                   int64_t os, float* res_out, int64_t ros, int64_t T, int64_t N, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * N >= POINTWISE_PARALLEL_MIN)
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = x + t * xs;
     float* ro = res_out + t * ros;
@@ -18,8 +25,9 @@ void loom_rms_norm(const float* x, int64_t xs, const float* res, int64_t rs, con
 // neox rotary in place: for each head row x of q [T, H, D] and k [T, KVH, D] (strides s0 per token, s1 per head),
 // x[i], x[i + D/2] = x[i] cos - x[i + D/2] sin, x[i + D/2] cos + x[i] sin; cos / sin from cs[pos[t]] (D floats)
 void loom_rotary(const int64_t* pos, const float* cs, int64_t D, float* q, int64_t qs0, int64_t qs1, int64_t H,
-                 float* k, int64_t ks0, int64_t ks1, int64_t KVH, int64_t T) {
+                 float* k, int64_t ks0, int64_t ks1, int64_t KVH, int64_t T, int nthreads) {
   const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * (H + KVH) * D >= POINTWISE_PARALLEL_MIN)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cs + pos[t] * D;
     const float* sn = c + half;
@@ -39,7 +47,8 @@ void loom_rotary(const int64_t* pos, const float* cs, int64_t D, float* q, int64
 }
 
 // out[t, i] = silu(x[t, i]) * x[t, I + i], silu(v) = v / (1 + exp(-v)); x rows of stride xs, out rows of I
-void loom_silu_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I) {
+void loom_silu_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= POINTWISE_PARALLEL_MIN)
   for (int64_t t = 0; t < T; ++t) {
     const float* g = x + t * xs;
     const float* u = g + I;
