@@ -87,10 +87,12 @@ def native_isa() -> tuple[str, ...]:
     isas = supported_isas()
     cap = os.environ.get("LOOM_CPU_ISA", "")
     if cap.strip():
-        names = [name.lower().replace("-", "") for name, _ in isas]
-        key = cap.strip().lower().replace("-", "")
-        if key in names:
-            isas = isas[names.index(key):]
+        def key(name: str) -> str:  # "AVX-512", "avx512", " Avx2 " ...
+            return name.strip().lower().replace("-", "")
+
+        names = [key(name) for name, _ in isas]
+        if key(cap) in names:
+            isas = isas[names.index(key(cap)):]
         else:
             log.warning("LOOM_CPU_ISA=%r is none of %s (what this CPU runs): ignored", cap,
                         ", ".join(name for name, _ in isas) or "nothing")

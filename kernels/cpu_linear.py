@@ -66,9 +66,14 @@ class PackedWeight:
         return linear_lora_cpu(x, self.panels, self.bias, self.out_features, lora_a, lora_b, slice_offsets, meta)
 
 
+def _packed_lib():
+    """The library the panels are packed for (built when they were packed, whatever LOOM_CPU_KERNELS says now)."""
+    return cpu_ext.build(cpu_ext.native_isa())
+
+
 def panel_width() -> int:
     """Columns per packed panel: the register tile's width in the library this machine builds."""
-    return cpu_ext.build(cpu_ext.native_isa()).loom_gemm_panel_width()
+    return _packed_lib().loom_gemm_panel_width()
 
 
 def row_block(m: int, k: int) -> int:
@@ -80,7 +85,7 @@ def row_block(m: int, k: int) -> int:
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                   out_features: int) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with W packed into `panels` (PackedWeight)."""
-    lib = cpu_ext.build(cpu_ext.native_isa())  # built when the panels were packed, whatever LOOM_CPU_KERNELS says now
+    lib = _packed_lib()
     shape = x.shape
     flat = len(shape) == 2  # the engine's [tokens, features]: no reshape or view (~7 us a call, ~120 calls a step)
     x2 = x if flat else x.reshape(-1, shape[-1])

@@ -14,6 +14,14 @@ constexpr int64_t NR = 24;
 constexpr int MR = 4;
 #endif
 
+// f(std::integral_constant<int, mr>{}) for 1 <= mr <= R: register tiles take their row count as a template argument
+template <int R, class F>
+inline void with_rows(int64_t mr, F&& f) {
+  if constexpr (R > 1)
+    if (mr < R) return with_rows<R - 1>(mr, f);
+  f(std::integral_constant<int, R>{});
+}
+
 #ifdef __AVX512F__
 template <int R>
 inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, float* C, int64_t ldc, int64_t nc,
@@ -130,16 +138,7 @@ struct LoraEpilogue {
           float* y = C + m * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
           const float* bb = b + int64_t(row[m]) * N + c0;
-          switch (mr) {
-            case 8: tile<8>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 7: tile<7>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 6: tile<6>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 5: tile<5>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 4: tile<4>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 3: tile<3>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            case 2: tile<2>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-            default: tile<1>(y, ldc, cf, bb, N, rank[m], scale[m]); break;
-          }
+          with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, N, rank[m], scale[m]); });
           return;
         }
     }
@@ -244,18 +243,9 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
         const float* a = A + m * lda;
         float* c = C + m * ldc + p * NR;
         const int64_t mr = std::min<int64_t>(MR, m1 - m);
-        switch (mr) {
-#ifdef __AVX512F__
-          case 8: gemm_tile<8>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          case 7: gemm_tile<7>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          case 6: gemm_tile<6>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          case 5: gemm_tile<5>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-#endif
-          case 4: gemm_tile<4>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          case 3: gemm_tile<3>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          case 2: gemm_tile<2>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-          default: gemm_tile<1>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n); break;
-        }
+        with_rows<MR>(mr, [&](auto r) {
+          gemm_tile<decltype(r)::value>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n);
+        });
         if (lora) lora->apply(C, ldc, N, m, mr, p * NR, p * NR + nc);
       }
     }

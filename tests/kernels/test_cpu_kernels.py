@@ -340,7 +340,6 @@ def test_pointwise_vs_references():
         assert kcases.rel_err(silu_and_mul_cpu(t), activation.silu_and_mul_ref(t)) < 1e-6
 
 
-
 def test_pointwise_rows_in_parallel_give_the_same_bits(monkeypatch):
     """A prefill chunk's rows (past the kernels' parallel threshold) go through the pointwise kernels on several
     threads: the same bits as on one thread, the references' results, and strided rows handled."""
