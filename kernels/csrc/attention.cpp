@@ -108,17 +108,8 @@ struct Cache {
 struct Scratch {
   std::vector<const float*> kp, vp;
   std::vector<float> s, acc, m, l;
-  float sink = 0.f;  // the sweep's loads go somewhere, so that they are not compiled away
+  float sink = 0.f;  // where the sweep's loads go (touch)
 };
-
-// Touches the cache lines of rows [from, to) of kp / vp that [off, off + len) of a row covers, in order.
-inline void sweep_rows(const float* const* kp, const float* const* vp, int64_t from, int64_t to, int64_t off,
-                       int64_t len, float& sink) {
-  float s = 0.f;
-  for (int64_t j = from; j < to; ++j)
-    for (int64_t d = off; d < off + len; d += 16) s += kp[j][d] + vp[j][d];
-  sink += s;
-}
 
 // Attention of query rows of one sequence over its cached keys lo(r) <= k <= qpos(r), lo(r) = window > 0 ?
 // qpos(r) - window + 1 : 0, read in place through the block table: flash-style over tiles of KEY_TILE positions
@@ -132,6 +123,11 @@ void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64
   int64_t kmin = lo_of(0);
   for (int64_t r = 1; r < nq; ++r) kmin = std::min(kmin, lo_of(r));
   const int64_t kmax = rows[nq - 1].qpos;
+  auto group_size = [&](int64_t r) {  // rows r .. r + n - 1 share a kv head and a position (so a key range), n <= 3
+    int64_t n = 1;
+    while (n < 3 && r + n < nq && rows[r + n].qpos == rows[r].qpos && rows[r + n].head_off == rows[r].head_off) ++n;
+    return n;
+  };
   w.kp.resize(kmax + 1 - kmin);
   w.vp.resize(kmax + 1 - kmin);
   w.s.resize(3 * KEY_TILE);
@@ -149,31 +145,24 @@ void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64
   // the sweep: the slice of a row these query rows read (every kv head's, or one's), and how many rows of the next
   // tile to load after each group's pass (a group: the query rows of one kv head, as below)
   int64_t off_lo = rows[0].head_off, off_hi = rows[0].head_off, groups = 0;
-  for (int64_t r = 0; r < nq; ++groups) {
-    int64_t gr = 1;
-    while (gr < 3 && r + gr < nq && rows[r + gr].qpos == rows[r].qpos && rows[r + gr].head_off == rows[r].head_off)
-      ++gr;
-    for (int64_t g = r; g < r + gr; ++g) {
-      off_lo = std::min(off_lo, rows[g].head_off);
-      off_hi = std::max(off_hi, rows[g].head_off);
-    }
-    r += gr;
+  for (int64_t r = 0; r < nq; ++r) {
+    off_lo = std::min(off_lo, rows[r].head_off);
+    off_hi = std::max(off_hi, rows[r].head_off);
   }
+  for (int64_t r = 0; r < nq; r += group_size(r)) ++groups;
   const int64_t share = (KEY_TILE + groups - 1) / groups, n_rows = kmax + 1 - kmin;
   int64_t swept = 0;  // rows [0, swept) of kp / vp were loaded
   auto sweep_to = [&](int64_t to) {
-    to = std::min(to, n_rows);
-    if (sweep && swept < to) sweep_rows(w.kp.data(), w.vp.data(), swept, to, off_lo, off_hi + D - off_lo, w.sink);
-    swept = std::max(swept, to);
+    for (to = std::min(to, n_rows); swept < to; ++swept)
+      if (sweep) {
+        touch(w.kp[swept] + off_lo, w.vp[swept] + off_lo, off_hi + D - off_lo, w.sink);
+      }
   };
   for (int64_t t0 = kmin; t0 <= kmax; t0 += KEY_TILE) {
     const int64_t t1 = std::min(kmax + 1, t0 + KEY_TILE);
     sweep_to(t1 - kmin);  // the first tile; later ones were loaded during the previous tile's passes
     for (int64_t r = 0; r < nq;) {
-      // rows r .. r + gr - 1 share a kv head and a position (so a key range): at most 3 at a time
-      int64_t gr = 1;
-      while (gr < 3 && r + gr < nq && rows[r + gr].qpos == rows[r].qpos && rows[r + gr].head_off == rows[r].head_off)
-        ++gr;
+      const int64_t gr = group_size(r);
       const int64_t a = std::max(t0, lo_of(r)), b = std::min(t1, rows[r].qpos + 1);
       if (a >= b) {
         r += gr;
@@ -245,6 +234,7 @@ void loom_paged_decode(const float* q, int64_t qs0, int64_t qs1, const float* kc
       const Cache c{kc, vc, bt + b * M, block_size, KVH * D, D};
       attend_rows(rows.data(), per * G, c, scale, window, softcap, scratch, true);
     }
+    keep(scratch.sink);
   }
 }
 

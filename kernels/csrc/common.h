@@ -43,6 +43,28 @@ inline __m256 exp256(__m256 x) {
 }
 #endif
 
+// Loads one float of every cache line of p[0:n], in address order, into `sink` (which the caller keeps, so that the
+// loads are not compiled away). A core keeps more of these plain loads in flight than software prefetches, and an
+// ascending sweep is what the hardware prefetchers follow: data read soon after, in another order, comes from cache.
+inline void touch(const float* p, int64_t n, float& sink) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; i += 16) s += p[i];
+  sink += s;
+}
+
+// touch() of p[0:n] and q[0:n] side by side: two streams in flight at once
+inline void touch(const float* p, const float* q, int64_t n, float& sink) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; i += 16) s += p[i] + q[i];
+  sink += s;
+}
+
+// The end of a sink's life: its value is used, so that the loads that fed it stay.
+inline void keep(float sink) {
+  volatile float v = sink;
+  (void)v;
+}
+
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
