@@ -15,6 +15,14 @@ namespace {
 
 const float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// f(std::integral_constant<int, mr>{}) for 1 <= mr <= R: register tiles take their row count as a template argument
+template <int R, class F>
+inline void with_rows(int64_t mr, F&& f) {
+  if constexpr (R > 1)
+    if (mr < R) return with_rows<R - 1>(mr, f);
+  f(std::integral_constant<int, R>{});
+}
+
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

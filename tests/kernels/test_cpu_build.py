@@ -93,7 +93,7 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     """The GEMM's register tile is 4 x 24 with AVX2 and 8 x 48 with AVX-512 (its panels packed to match), but every
     output element is one fma chain over k in order: each build this CPU runs gives the same bits (and the references'
     result), for row counts and widths that are no multiple of either tile, with a bias, and with LoRA deltas (added
-    to the GEMM's output tiles, and in a pass of their own)."""
+    to the GEMM's output tiles, and in a pass of their own; the shrink's lanes are the same at either width)."""
     from loom.kernels import cpu_lora
     from loom.kernels.cpu_linear import PackedWeight, panel_width
 
@@ -102,7 +102,8 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     torch.manual_seed(6)
     K, offs = 70, [0, 48, 61, 61 + 130]
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
-    meta, R, _ = kcases.contiguous_lora_meta([(0, 19), (-1, 3), (1, 8), (2, 15)], [16, 5, 8])  # whole row tiles too
+    # groups of 19, 9 and 14 tokens: every remainder of the shrink's 3 or 4 rows (AVX2 / AVX-512) and of the tiles
+    meta, R, _ = kcases.contiguous_lora_meta([(0, 19), (-1, 3), (1, 9), (2, 14)], [16, 5, 8])
     a, b = torch.randn(3, R, K), torch.randn(R, offs[-1])
     xs = [torch.randn(m, K) for m in (1, 5, 8, 13, 45, 64)]
     results, widths = [], []
