@@ -31,6 +31,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+#ifdef __AVX512F__
+// [lo | hi] and its halves: a 512-bit vector as two 8-lane ones side by side, so that AVX-512 code can run two of
+// the AVX2 code's 8-lane computations at once with the same lanes, i.e. the same bits (AVX-512F has only 64-bit-lane
+// inserts and extracts).
+inline __m512 pair256(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256 lo256(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#endif
+
 // exp(x) for x <= 0 or moderate x: Cephes' expf (range reduction by ln 2, degree-5 polynomial)
 inline __m256 exp256(__m256 x) {
   x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));

@@ -31,25 +31,22 @@ template <int TI>
 inline void shrink_block(const float* const* x, const float* const* a, int64_t K, float* out) {
   int64_t k = 0;
 #if defined(__AVX512F__)
-  const auto pair = [](__m256 lo, __m256 hi) {  // [lo | hi] (AVX-512F has the 64-bit-lane insert only)
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-  };
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    const __m512 a01 = pair(_mm256_loadu_ps(a[0] + k), _mm256_loadu_ps(a[1] + k)),
-                 a23 = pair(_mm256_loadu_ps(a[2] + k), _mm256_loadu_ps(a[3] + k));
+    const __m512 a01 = pair256(_mm256_loadu_ps(a[0] + k), _mm256_loadu_ps(a[1] + k)),
+                 a23 = pair256(_mm256_loadu_ps(a[2] + k), _mm256_loadu_ps(a[3] + k));
     for (int i = 0; i < TI; ++i) {
       const __m256 xh = _mm256_loadu_ps(x[i] + k);
-      const __m512 xv = pair(xh, xh);
+      const __m512 xv = pair256(xh, xh);
       acc[i][0] = _mm512_fmadd_ps(xv, a01, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(xv, a23, acc[i][1]);
     }
   }
   for (int i = 0; i < TI; ++i)
     for (int h = 0; h < 2; ++h) {
-      out[i * 4 + 2 * h] = hsum(_mm512_castps512_ps256(acc[i][h]));
-      out[i * 4 + 2 * h + 1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i][h]), 1)));
+      out[i * 4 + 2 * h] = hsum(lo256(acc[i][h]));
+      out[i * 4 + 2 * h + 1] = hsum(hi256(acc[i][h]));
     }
 #elif defined(__AVX2__)
   __m256 acc[TI][4];
