@@ -6,6 +6,7 @@ kernel under TRITON_INTERPRET=1 when forced for tests).
 """
 
 from loom.kernels.dispatch import (
+    argmax,
     fused_add_rms_norm,
     fused_moe,
     fused_moe_lora,
@@ -29,4 +30,5 @@ __all__ = [
     "fused_moe",
     "fused_moe_lora",
     "lora_apply",
+    "argmax",
 ]

@@ -31,7 +31,7 @@ log = logging.getLogger("loom")
 
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp")
+_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64, _I32],
+    "loom_argmax": [_P, _I64, _I64, _I64, _P, _I32],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],

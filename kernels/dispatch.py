@@ -14,6 +14,7 @@ from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_r
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
+from loom.kernels.cpu_argmax import argmax_cpu
 from loom.kernels.cpu_lora import lora_apply_cpu
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
 from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
@@ -59,6 +60,11 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
 
 def silu_and_mul(x):
     return (silu_and_mul_triton if use_triton(x) else silu_and_mul_cpu)(x)
+
+
+def argmax(x):
+    """x [T, V] -> int64 [T], torch.argmax(x, dim=-1): one C++ pass per row on CPU."""
+    return x.argmax(dim=-1) if x.is_cuda else argmax_cpu(x)
 
 
 def gelu_tanh_and_mul(x):

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from loom.engine.logits_processors import ProcessorBatch, RequestConstraints
 from loom.engine.sampling_params import SamplingParams
+from loom.kernels import argmax
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 
@@ -493,7 +494,7 @@ class Sampler:
             x = _revive_dead_rows(x, logits, b.processors.rows)
 
         if b.all_greedy:
-            token_ids = x.argmax(dim=-1)
+            token_ids = argmax(x)
         else:
             rows = b.random_rows
 
@@ -517,7 +518,7 @@ class Sampler:
             else:  # greedy rows take the argmax and nothing else
                 token_ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
                 token_ids.index_copy_(0, rows, sampled)
-                token_ids.index_copy_(0, b.greedy_rows, x.index_select(0, b.greedy_rows).argmax(dim=-1))
+                token_ids.index_copy_(0, b.greedy_rows, argmax(x.index_select(0, b.greedy_rows)))
         return self._logprobs(logits, token_ids, b)
 
     @staticmethod

@@ -366,3 +366,32 @@ def test_pointwise_rows_in_parallel_give_the_same_bits(monkeypatch):
     want = [out, res, q2, k2, activation.silu_and_mul_ref(gate_up)]
     assert torch.equal(runs[0][1], want[1])
     assert all(kcases.rel_err(a, b) < 1e-6 for a, b in zip(runs[0], want))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_is_torch_argmax(threads, monkeypatch):
+    """Greedy sampling's C++ argmax gives torch.argmax's index for every row: ties (the first), a maximum in the
+    vector part or in the tail of a row whose length is no multiple of 8, NaNs (torch counts a NaN as the largest:
+    the first NaN), rows of -inf, +inf, rows that are views into wider tensors, and rows enough to run in parallel."""
+    from loom.kernels.cpu_argmax import argmax_cpu
+
+    monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
+    torch.manual_seed(11)
+    for V in (1, 7, 8, 37, 1000):
+        x = torch.randn(40, V + 5)[:, :V]  # strided rows
+        x[1] = 3.0  # all equal: index 0
+        x[2, V // 2:] = 9.0  # a tie from the middle on: its first index
+        x[3, V - 1] = 50.0  # in the tail
+        x[4] = float("-inf")
+        x[5, -1] = float("inf")
+        x[6, V // 3] = float("nan")
+        x[7, :] = float("nan")
+        if V > 2:
+            x[8, 1], x[8, V - 1] = float("nan"), float("nan")
+            x[9, 0], x[9, 2] = float("inf"), float("nan")
+        assert torch.equal(argmax_cpu(x), x.argmax(dim=-1)), V
+    big = torch.randn(64, 49152)  # past the parallel threshold
+    big[10, 777] = big[10, 40000] = 100.0
+    assert torch.equal(argmax_cpu(big), big.argmax(dim=-1))
+    assert argmax_cpu(big[:0]).shape == (0,)
+    assert torch.equal(dispatch.argmax(big.double()), big.double().argmax(dim=-1))  # other dtypes: torch's
