@@ -62,6 +62,7 @@ def build_forward(runner) -> EagerForward | CompiledForward:
         return EagerForward(model)
     cpu.tune_mkl_for_amd()
     cpu.set_compute_threads(config.cpu_threads)
+    cpu.keep_freed_memory()
     # Build (once per machine) or load the C++ kernels now, not in the first step; one log line says which path
     # runs (a failed build has logged its warning instead).
     if runner.dtype != torch.float32:

@@ -1,5 +1,6 @@
 """CPU set-up the engine applies at its start (not at import: importing loom has no side effects): the number
-of compute threads, MKL's instruction set on AMD, and the linear layers' GEMMs over packed weights."""
+of compute threads, MKL's instruction set on AMD, malloc's reuse of freed activations, and the linear layers' GEMMs
+over packed weights."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,29 @@ def tune_mkl_for_amd() -> None:
         return
     if amd:
         os.environ["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+
+
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's cap on 64-bit systems
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed blocks of up to 32 MiB for reuse instead of returning them to the system. A
+    step's activations (a 2,048-token prefill chunk's gate|up output is 25 MB, a decode step's logits 6 MB) are
+    allocated and freed layer after layer; by default glibc maps large ones afresh and trims the heap, so steps
+    page-fault and zero them again and again: the default model, 32 requests of 64 prompt tokens and 32 new
+    tokens, two threads: 23,000-56,000 page faults a batch, ~10% of the CPU time in the kernel; with this ~0, and
+    342-373 -> 392-450 tokens/s. Process-wide, as the thread count is; the heap then stays at its peak. False
+    (nothing changed) where malloc is not glibc's."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def available_cores() -> int:
