@@ -459,8 +459,9 @@ def main(argv=None) -> int:
                 bc.progress(f"sampler alone: {n} x {args.sampler_vocab}")
                 s = measure_sampler(n, args)
                 data["sampler"].append(s)
-                srows.append([n, s["torch_argmax_us"], s["argmax_us"], s["greedy_us"], s["greedy_x_argmax"],
-                              s["greedy_logprobs_us"], s["random_us"], s["old_log_softmax_us"], s["old_greedy_x_argmax"]])
+                srows.append([n] + [s[k] for k in ("torch_argmax_us", "argmax_us", "greedy_us", "greedy_x_argmax",
+                                                   "greedy_logprobs_us", "random_us", "old_log_softmax_us",
+                                                   "old_greedy_x_argmax")])
             report.append(f"the sampler alone, vocab {args.sampler_vocab}, microseconds per call (result on the host; "
                           "argmax: the op greedy sampling runs, torch.argmax beside it)\n"
                           + bc.table(["rows", "torch argmax", "argmax", "greedy", "x argmax", "greedy+logprobs",
