@@ -153,10 +153,9 @@ void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64
   const int64_t share = (KEY_TILE + groups - 1) / groups, n_rows = kmax + 1 - kmin;
   int64_t swept = 0;  // rows [0, swept) of kp / vp were loaded
   auto sweep_to = [&](int64_t to) {
+    if (!sweep) return;
     for (to = std::min(to, n_rows); swept < to; ++swept)
-      if (sweep) {
-        touch(w.kp[swept] + off_lo, w.vp[swept] + off_lo, off_hi + D - off_lo, w.sink);
-      }
+      touch(w.kp[swept] + off_lo, w.vp[swept] + off_lo, off_hi + D - off_lo, w.sink);
   };
   for (int64_t t0 = kmin; t0 <= kmax; t0 += KEY_TILE) {
     const int64_t t1 = std::min(kmax + 1, t0 + KEY_TILE);

@@ -216,7 +216,7 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
 // An adapter's A rows (every slice) and B rows loaded (touch) before a token's shrink and expand read them: A's
 // slices one after another beside B, two streams in flight. Unloaded, the shrink reads rank rows of A at a time and
 // the expand all rank rows of B 48 columns at a time, strided streams the hardware keeps few loads in flight for
-// (32 decode tokens on 32 adapters, all layers of the default model, Zen 5 core: 33.4-34.3 -> 23.6-24.6 ms added to
+// (32 decode tokens on 32 adapters, all layers of the default model, Zen 5 core: 33.4-34.3 -> 23.5-25.3 ms added to
 // the GEMMs in scripts/bench_lora_floor.py; B alone loaded first: 26.2-27.9).
 inline void touch_adapter(const float* a, int64_t S, int64_t R, int64_t K, int64_t row, int64_t rank, const float* b,
                           int64_t N, float& sink) {
