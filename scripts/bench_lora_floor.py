@@ -23,13 +23,13 @@ import argparse
 import json
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import bench as hb  # noqa: E402
+from harness.adapter_cost import lora_cost, model_spec, stream_gbps  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,27 +43,6 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default="", help="write the results here too")
     return ap.parse_args(argv)
-
-
-def model_spec(config: dict, layers: int = 0):
-    """The engine's LoRA layout of the model (loom.lora.model_spec): its packed projections and pool rows."""
-    from loom.lora.model_spec import LoraModelSpec
-
-    cfg = dict(config, num_hidden_layers=layers or config["num_hidden_layers"])
-    return LoraModelSpec.from_hf_config(types.SimpleNamespace(**cfg))
-
-
-def lora_cost(spec, tokens: int, rank: int) -> tuple[int, int, int]:
-    """(FLOPs of the layers' GEMMs, FLOPs of LoRA on every projection, bytes of one adapter's rows), float32."""
-    gemm = spec.num_layers * sum(2 * tokens * g.in_features * g.out_features for g in spec.groups)
-    return gemm, 2 * tokens * rank * spec.elems_per_row, rank * spec.bytes_per_row(torch.float32)
-
-
-def stream_gbps(mb: int = 256, reps: int = 5) -> float:
-    """Best single-pass read bandwidth over a buffer far larger than the caches."""
-    x = torch.ones(mb << 18)
-    best = min(_timed(x.sum) for _ in range(reps))
-    return x.numel() * 4 / best / 1e9
 
 
 def _timed(fn) -> float:

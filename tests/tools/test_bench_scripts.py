@@ -126,6 +126,8 @@ def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
     from loom.engine.cpu import available_cores
 
     assert [looms[t]["torch_threads"] for t in ("1", "2")] == [1, min(2, available_cores())]
+    assert all(loom["stream_gb_s"] > 0 for loom in looms.values())
+    assert "caps the distinct ratio at" in p.stdout, p.stdout
     for loom in looms.values():
         for name in ("no_lora", "one_adapter", "distinct_adapters"):
             assert loom[name]["tokens_per_s"] > 0, name
@@ -149,10 +151,10 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     v1, v2 = res(60.0, 18.0, 18.0), res(100.0, 30.0, 33.0)  # vLLM "0" computes on 1 thread, "0,1" on 2
     vllm = {sc: v2[sc] | {"setting": "0,1", "startup_s": 90.0, "vllm_version": "0.32.0"} for sc in bl.SCENARIOS}
     vllm |= {"_per_setting": {"0": v1, "0,1": v2}, "_all": {"vllm plain 0": {"startup_s": 90.0}}}
-    looms = {"1": res(70.0, 68.0, 50.0) | {"rounds": []},  # at equal compute: above vLLM "0" in every way
+    looms = {"1": res(70.0, 68.0, 50.0) | {"rounds": [], "stream_gb_s": 10.0},  # at equal compute: above vLLM "0"
              "2": res(95.0, 93.0, 80.0, tokens=((1, 2), (3, 5))) | {"rounds": []}}  # below vLLM's best; one row differs
     args = argparse.Namespace(requests=2, max_tokens=2, prompt_len=4, rank=16, compile="eager", repeats=1)
-    text = bl.report({"loom": looms, "vllm": vllm}, args)
+    text = bl.report({"loom": looms, "vllm": vllm, "adapter_bytes": 140_000_000}, args)
 
     def met(target: str) -> bool:
         lines = [ln for ln in text.splitlines() if ln.startswith(f"TARGET {target}: ")]
@@ -167,6 +169,18 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     assert not met("tokens identical 2/2 in every row")
     assert met("loom (1t): one adapter >= 0.95x") and not met("loom (1t): 2 distinct >= 0.85x loom's no-LoRA")
     assert "loom (1t)" in text and "loom (2t)" in text and "vllm 0,1 (2t)" in text and "vLLM 0.32.0:" in text
+    # 2 requests x 2 tokens at 70 tok/s: 57.1 ms; one decode step reads 2 x 140 MB at 10 GB/s: 28 ms more -> 0.67
+    assert "loom (1t): 2 distinct adapters read 280 MB a decode step" in text and "ratio at 0.67" in text
+    assert "(memory-bandwidth ceiling 0.67)" in text
+    assert "loom (2t): 2 distinct adapters" not in text  # no bandwidth measured for it
+
+
+def test_distinct_ceiling_is_base_time_over_base_plus_reading_every_adapter_each_decode_step():
+    from harness.adapter_cost import distinct_ceiling
+
+    # 4 requests x 3 tokens at 120 tok/s: 0.1 s; 2 decode steps x 4 adapters x 0.5 GB at 40 GB/s: 0.1 s
+    assert distinct_ceiling(120.0, 4, 3, 500_000_000, 40.0) == pytest.approx(0.5)
+    assert distinct_ceiling(120.0, 4, 1, 500_000_000, 40.0) == 1.0  # one token: no decode step reads anything
 
 
 def test_vllm_peer_runs_where_this_repository_is_not_importable(tmp_path, monkeypatch):
