@@ -185,7 +185,10 @@ def describe() -> str:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True when every tensor is float32 on CPU (what the C++ kernels take)."""
-    return all(t.is_cpu and t.dtype == torch.float32 for t in tensors)  # is_cpu: no device object made per call
+    for t in tensors:  # a loop, not all(<generator>): called a few hundred times a step
+        if not (t.is_cpu and t.dtype == torch.float32):  # is_cpu: no device object made per call
+            return False
+    return True
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from loom.kernels import cpu_ext
+from loom.kernels.cpu_linear import gemm, row_block
 from loom.kernels.lora import lora_expand_ref, lora_shrink_ref
 
 # groups of at least this many tokens get their deltas in the GEMM's output tiles (fewer: their own pass)
@@ -32,11 +33,12 @@ def _offsets(slice_offsets: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(slice_offsets, dtype=torch.int64)
 
 
-def _takes(lib, x, lora_a, lora_b, *outs) -> bool:
-    """Whether the C++ LoRA kernels take these tensors (float32 CPU, rows of x and the outputs contiguous, pools
+def _takes(lib, x, lora_a, lora_b, y=None) -> bool:
+    """Whether the C++ LoRA kernels take these tensors (float32 CPU, rows of x and of y contiguous, pools
     contiguous)."""
-    return (lib is not None and cpu_ext.usable(x, lora_a, lora_b, *outs) and x.stride(-1) == 1
-            and all(o.stride(-1) == 1 for o in outs) and lora_a.is_contiguous() and lora_b.is_contiguous())
+    return (lib is not None and cpu_ext.usable(x, lora_a, lora_b) and x.stride(-1) == 1
+            and (y is None or (cpu_ext.usable(y) and y.stride(-1) == 1))
+            and lora_a.is_contiguous() and lora_b.is_contiguous())
 
 
 def _groups(meta, slice_offsets):
@@ -67,19 +69,16 @@ def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):
     return y
 
 
-def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets, meta):
-    """The packed GEMM (kernels/cpu_linear.py) plus the LoRA deltas of meta's groups: bitwise what lora_apply_cpu
-    adds to its output, but a group of at least FUSE_MIN_TOKENS tokens (a prefill chunk) has its deltas added to
-    each GEMM output tile while the tile is in cache, so y (2,048 tokens x 3,072 columns is 25 MB) is not read
-    back from memory and written again for them."""
-    from loom.kernels.cpu_linear import linear_packed, row_block
-
-    lib = cpu_ext.load()
+def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets, meta, lib):
+    """The packed GEMM (kernels/cpu_linear.py; `lib` the library that packed the panels) plus the LoRA deltas of
+    meta's groups: bitwise what lora_apply_cpu adds to its output, but a group of at least FUSE_MIN_TOKENS tokens
+    (a prefill chunk) has its deltas added to each GEMM output tile while the tile is in cache, so y (2,048 tokens
+    x 3,072 columns is 25 MB) is not read back from memory and written again for them."""
     shape = x.shape
     flat = len(shape) == 2
     x2 = x if flat else x.reshape(-1, shape[-1])
     if not _takes(lib, x2, lora_a, lora_b) or meta.num_groups == 0 or meta.token_indices.numel() == 0:
-        y = linear_packed(x, panels, bias, out_features)
+        y = gemm(lib, x, panels, bias, out_features)
         return lora_apply_cpu(x2, y.view(-1, out_features), lora_a, lora_b, slice_offsets, meta).view(y.shape)
     offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
