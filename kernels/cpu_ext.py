@@ -31,7 +31,7 @@ log = logging.getLogger("loom")
 
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp")
+_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "layer.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,6 +57,8 @@ _SIGNATURES = {
     "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64,
                        _I64, _I64, _I32],
+    "loom_decoder_layer_workspace": [_P, _I64],
+    "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P],
 }
 
 
@@ -64,7 +66,7 @@ _SIGNATURES = {
 ISAS = (("AVX-512", ("avx512f", "avx2", "fma"), ("-mavx2", "-mfma", "-mavx512f")),
         ("AVX2", ("avx2", "fma"), ("-mavx2", "-mfma")))
 
-_RESTYPES = {"loom_gemm_panel_width": _I64}  # the others return nothing
+_RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64}  # the others return nothing
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,7 +53,7 @@ class PackedWeight:
         # thread 11.9 -> 8.8 us a call, two 15.4 -> 10.2
         from loom.kernels.cpu_lora import linear_lora_cpu
 
-        self._lib, self._linear_lora = lib, linear_lora_cpu
+        self.lib, self._linear_lora = lib, linear_lora_cpu
 
     @staticmethod
     def panels_numel(out_features: int, in_features: int) -> int:
@@ -63,12 +63,12 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op (the panels are a plain tensor: no freezing needed)
             return torch.ops.loom.linear_packed(x, self.panels, self.bias, self.out_features)
-        return gemm(self._lib, x, self.panels, self.bias, self.out_features)
+        return gemm(self.lib, x, self.panels, self.bias, self.out_features)
 
     def with_lora(self, x, lora_a, lora_b, slice_offsets, meta) -> torch.Tensor:
         """self(x) plus the step's LoRA deltas (eager), added to the GEMM's output tiles (kernels/cpu_lora.py)."""
         return self._linear_lora(x, self.panels, self.bias, self.out_features, lora_a, lora_b, slice_offsets, meta,
-                                 self._lib)
+                                 self.lib)
 
 
 def _packed_lib():

@@ -29,7 +29,8 @@ _ARG_DTYPES = (torch.int64, torch.int32, torch.int32, torch.int32, torch.float32
 
 
 @functools.lru_cache(maxsize=64)
-def _offsets(slice_offsets: tuple[int, ...]) -> torch.Tensor:
+def offsets_tensor(slice_offsets: tuple[int, ...]) -> torch.Tensor:
+    """A layer's slice column offsets as the kernels read them (int64), one tensor per distinct tuple."""
     return torch.tensor(slice_offsets, dtype=torch.int64)
 
 
@@ -41,17 +42,22 @@ def _takes(lib, x, lora_a, lora_b, y=None) -> bool:
             and lora_a.is_contiguous() and lora_b.is_contiguous())
 
 
-def _groups(meta, slice_offsets):
-    """The index arrays the kernels read: slice offsets, token indices, segments, rows, ranks, scalings. Every
-    layer of a step reads the same meta: the arrays are kept on it when they are its own tensors (no copy made),
-    so they stay valid even where the meta's buffers are rewritten in place (the CUDA-graph path's static meta)."""
+def group_arrays(meta) -> tuple:
+    """The index arrays the kernels read: token indices, segments, rows, ranks, scalings. Every layer of a step
+    reads the same meta: the arrays are kept on it when they are its own tensors (no copy made), so they stay valid
+    even where the meta's buffers are rewritten in place (the CUDA-graph path's static meta)."""
     args = meta.kernel_args
     if args is None:
         own = (meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings)
         args = tuple(cpu_ext.contiguous(t, dt) for t, dt in zip(own, _ARG_DTYPES))
         if all(a is t for a, t in zip(args, own)):
             meta.kernel_args = args
-    return (_offsets(tuple(slice_offsets)), *args)
+    return args
+
+
+def _groups(meta, slice_offsets):
+    """group_arrays, after the slice offsets."""
+    return (offsets_tensor(tuple(slice_offsets)), *group_arrays(meta))
 
 
 def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):

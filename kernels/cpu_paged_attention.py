@@ -20,7 +20,7 @@ from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 PREFILL_TILE = 16  # query rows sharing each key row read
 
 
-def _options(sliding_window, softcap) -> tuple[int, float]:
+def attention_options(sliding_window, softcap) -> tuple[int, float]:
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if softcap is not None and not softcap > 0:
@@ -61,7 +61,7 @@ def _rows(t: torch.Tensor) -> bool:
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
                                softcap=None):
     """q [B, H, D], caches [blocks, block_size, KVH, D], block_tables [B, M] int32, seq_lens [B] int32."""
-    window, cap = _options(sliding_window, softcap)
+    window, cap = attention_options(sliding_window, softcap)
     lib = cpu_ext.load()
     if not _attention_fits(lib, q, k_cache, v_cache, out):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
@@ -83,7 +83,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
 def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
                                 out=None, sliding_window=None, softcap=None):
     """q [T, H, D]; sequence s owns rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len_s + i."""
-    window, cap = _options(sliding_window, softcap)
+    window, cap = attention_options(sliding_window, softcap)
     lib = cpu_ext.load()
     if not _attention_fits(lib, q, k_cache, v_cache, out):
         return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,

@@ -71,6 +71,11 @@ def build_forward(runner) -> EagerForward | CompiledForward:
         log.info("%s", cpu_ext.describe())
     if cpu.can_pack(runner.dtype, runner.device):
         cpu.pack_linear_weights(model)
+        decoder = getattr(model, "model", None)
+        if not config.cpu_compile and hasattr(decoder, "layer_pass"):
+            from loom.models.layer_pass import LayerPass
+
+            decoder.layer_pass = LayerPass()  # each Llama-class layer in one C++ call
     return CompiledForward(model) if config.cpu_compile else EagerForward(model)
 
 

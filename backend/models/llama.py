@@ -101,6 +101,8 @@ class DecoderModel(nn.Module):
                                        dict(r.scaling) if r.scaling else None)
         self.layers = nn.ModuleList(layer_cls(spec, i, ropes[spec.layer_ropes[i]]) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.gemma_norms)
+        # on CPU the engine may run the layers through one C++ call each (models/layer_pass.py)
+        self.layer_pass = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -108,8 +110,9 @@ class DecoderModel(nn.Module):
             # scalar, not a tensor made per step (a host-to-device copy CUDA graph capture refuses)
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
+        run = self.layer_pass
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(positions, x, residual) if run is None else run(layer, positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

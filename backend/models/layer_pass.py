@@ -1,0 +1,108 @@
+"""On CPU, each Llama-class decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
+
+The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
+takes it when it is a plain LlamaDecoderLayer (dense SiLU MLP, rope on the whole head, no q/k norm, no Gemma norm
+offset) whose tensors the C++ kernels read; every other layer, and every step the kernels would not take, runs its
+Python path. Both give the same bits: the C++ layer calls the same kernels with the same arguments.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from loom.kernels import silu_and_mul
+from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
+from loom.layers.forward_context import get_forward_context
+from loom.models.llama import MLP, LlamaDecoderLayer
+
+_GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _linears(layer: LlamaDecoderLayer):
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _eligible(layer) -> bool:
+    if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not MLP or layer.mlp.act_and_mul is not silu_and_mul:
+        return False
+    attn = layer.self_attn
+    return (attn.q_norm is None and attn.rotary.rotary_dim == attn.head_dim and not layer.input_layernorm.offset
+            and not layer.post_attention_layernorm.offset and all(m.dense is not None for m in _linears(layer)))
+
+
+def _key(layer) -> tuple:
+    """What a LayerArgs holds that can change while serving: the caches (bound once allocated) and the LoRA pools
+    (attached, grown), by address and shape."""
+    att = layer.self_attn.attn
+    tensors = [att.k_cache, att.v_cache]
+    for m in _linears(layer):
+        tensors += [m.lora_a, m.lora_b]
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+
+def _layer_args(layer) -> Optional[LayerArgs]:
+    attn, att = layer.self_attn, layer.self_attn.attn
+    if att.k_cache is None or att.v_cache is None:
+        return None
+    linears = [(m.dense, m.lora_a, m.lora_b, m.slice_offsets) for m in _linears(layer)]
+    return layer_args(linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                      layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                      attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale, att.sliding_window, att.softcap)
+
+
+def _rows(t: Optional[torch.Tensor], hidden: int) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == hidden and t.is_contiguous())
+
+
+class LayerPass:
+    def __init__(self):
+        self._layers: dict[int, tuple[tuple, Optional[LayerArgs]]] = {}
+        self._ctx = None  # the forward context the step state below was made for
+        self._step: Optional[StepArgs] = None
+        self._dims: tuple = ()
+        self._buffers: tuple = ()
+
+    def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        args = self._args(layer)
+        if args is None or not (_rows(x, args.hidden) and _rows(residual, args.hidden)):
+            return layer(positions, x, residual)
+        step = self._step_for(args, positions, x.shape[0])
+        if step is None:
+            return layer(positions, x, residual)
+        ws, pairs = self._buffers
+        out_x, out_res = pairs[0] if x is not pairs[0][0] else pairs[1]  # never the pair being read
+        decoder_layer(args, step, x, residual, ws, out_x, out_res)
+        return out_x, out_res
+
+    def _args(self, layer) -> Optional[LayerArgs]:
+        if not _eligible(layer):
+            return None
+        key = _key(layer)
+        have = self._layers.get(id(layer))
+        if have is None or have[0] != key:
+            have = (key, _layer_args(layer))
+            self._layers[id(layer)] = have
+        return have[1]
+
+    def _step_for(self, args: LayerArgs, positions: torch.Tensor, T: int) -> Optional[StepArgs]:
+        ctx = get_forward_context()
+        dims = (args.hidden, args.q_size, args.inter)
+        if ctx is self._ctx and dims == self._dims:
+            return self._step
+        self._ctx, self._dims, self._step = ctx, dims, None
+        slots = ctx.slot_mapping
+        if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape[0] != T or \
+                slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != T:
+            return None
+        lora = ctx.lora
+        # the linears adapters of this step target (each applies them only where it has pools)
+        groups = tuple(lora is not None and (lora.module_groups is None or name in lora.module_groups)
+                       for name in _GROUPS)
+        self._step = StepArgs(T, positions, slots, ctx.num_decode_seqs, ctx.decode, ctx.prefill, lora, groups,
+                              args.hidden, args.q_size, args.inter)
+        ws = torch.empty(args.workspace_floats(T))
+        pairs = tuple((torch.empty((T, args.hidden)), torch.empty((T, args.hidden))) for _ in range(2))
+        self._buffers = (ws, pairs)
+        return self._step

@@ -1,0 +1,120 @@
+"""A Llama-class decoder layer in one C++ call on CPU (kernels/csrc/layer.cpp): the kernels the Python layer path
+calls one by one (RMS norm, packed GEMMs with their LoRA, rope, KV store, paged attention, SiLU-and-mul), with the
+same arguments in the same order, so the same bits, without ~115 us of Python a layer around them.
+
+`LayerArgs` holds one layer's weights, caches and pools as the C++ side reads them (made once, again when a pointer
+changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Which layers take
+this path is models/layer_pass.py's decision.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from loom.kernels import cpu_ext, cpu_lora
+from loom.kernels.cpu_linear import PackedWeight, row_block
+from loom.kernels.cpu_paged_attention import PREFILL_TILE, attention_options
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("panels", _P), ("N", _I64), ("bias", _P), ("lora_a", _P), ("lora_b", _P), ("S", _I64), ("R", _I64),
+                ("offs", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("norm_in", _P),
+                ("norm_post", _P), ("eps", _F32), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
+                ("head_dim", _I64), ("inter", _I64), ("cos_sin", _P), ("k_cache", _P), ("v_cache", _P),
+                ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _I64), ("positions", _P), ("slots", _P), ("num_decode", _I64), ("dec_bt", _P),
+                ("dec_bt_width", _I64), ("dec_sl", _P), ("num_prefill", _I64), ("pre_cu", _P), ("pre_sl", _P),
+                ("pre_bt", _P), ("pre_bt_width", _I64), ("prefill_tile", _I64), ("tok", _P), ("seg", _P),
+                ("rows", _P), ("ranks", _P), ("scal", _P), ("groups", _I64), ("fuse_min", _I64), ("lora_mask", _I64),
+                ("mc_hidden", _I64), ("mc_q", _I64), ("mc_inter", _I64), ("nthreads", _I32)]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def _f32(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
+
+
+class LayerArgs:
+    """One layer's tensors as loom_decoder_layer reads them (layer_args() makes it)."""
+
+    def __init__(self, lib, struct: _Layer, keep: list, hidden: int, q_size: int, inter: int):
+        self.lib, self.struct, self.keep = lib, struct, keep  # keep: tensors only the struct points to
+        self.hidden, self.q_size, self.inter = hidden, q_size, inter
+
+    def workspace_floats(self, T: int) -> int:
+        return self.lib.loom_decoder_layer_workspace(ctypes.byref(self.struct), T)
+
+
+def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, kv_heads: int,
+               head_dim: int, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               window: Optional[int], softcap: Optional[float]) -> Optional[LayerArgs]:
+    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down. None
+    when a tensor is not what the kernels read (the layer then runs its Python path)."""
+    if not all(isinstance(p, PackedWeight) and _f32(p.bias, a, b) for p, a, b, _ in linears):
+        return None
+    lib = linears[0][0].lib
+    if any(p.lib is not lib for p, *_ in linears) or not _f32(norm_in, norm_post, cos_sin, k_cache, v_cache) \
+            or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        return None
+    keep, structs = [], []
+    for p, a, b, offs in linears:
+        o = cpu_lora.offsets_tensor(tuple(offs))
+        keep.append(o)
+        structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
+                               0 if a is None else a.shape[0], 0 if a is None else a.shape[1], o.data_ptr()))
+    window, cap = attention_options(window, softcap)
+    hidden, inter = linears[0][0].in_features, linears[3][0].in_features
+    struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap)
+    return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
+
+
+class StepArgs:
+    """What every layer of one step reads: made once per forward context."""
+
+    def __init__(self, T: int, positions: torch.Tensor, slots: torch.Tensor, num_decode: int, decode, prefill,
+                 lora, lora_groups: tuple[bool, bool, bool, bool], hidden: int, q_size: int, inter: int):
+        c32 = lambda t: cpu_ext.contiguous(t, torch.int32)  # noqa: E731
+        keep = [positions, slots]
+        dec_bt = dec_sl = pre_cu = pre_sl = pre_bt = None
+        if num_decode:
+            dec_bt, dec_sl = c32(decode.block_tables), c32(decode.seq_lens)
+        if prefill is not None:
+            pre_cu, pre_sl, pre_bt = c32(prefill.cu_seqlens_q), c32(prefill.seq_lens), c32(prefill.block_tables)
+        keep += [dec_bt, dec_sl, pre_cu, pre_sl, pre_bt]
+        tok = seg = rows = ranks = scal = None
+        groups = mask = 0
+        if lora is not None and lora.num_groups and lora.token_indices.numel():
+            tok, seg, rows, ranks, scal = cpu_lora.group_arrays(lora)
+            keep += [tok, seg, rows, ranks, scal]
+            groups = lora.num_groups
+            mask = sum(1 << i for i, on in enumerate(lora_groups) if on)
+        self.keep = keep
+        self.struct = _Step(T, positions.data_ptr(), slots.data_ptr(), num_decode, _ptr(dec_bt),
+                            0 if dec_bt is None else dec_bt.shape[1], _ptr(dec_sl),
+                            0 if pre_sl is None else pre_sl.shape[0], _ptr(pre_cu), _ptr(pre_sl), _ptr(pre_bt),
+                            0 if pre_bt is None else pre_bt.shape[1], PREFILL_TILE, _ptr(tok), _ptr(seg), _ptr(rows),
+                            _ptr(ranks), _ptr(scal), groups, cpu_lora.FUSE_MIN_TOKENS, mask, row_block(T, hidden),
+                            row_block(T, q_size), row_block(T, inter), cpu_ext.nthreads())
+        self.T = T
+
+
+def decoder_layer(layer: LayerArgs, step: StepArgs, x: torch.Tensor, residual: Optional[torch.Tensor],
+                  workspace: torch.Tensor, x_out: torch.Tensor, res_out: torch.Tensor) -> None:
+    """x, residual [T, hidden] float32 contiguous -> x_out (the layer's MLP output), res_out (its residual)."""
+    layer.lib.loom_decoder_layer(ctypes.byref(layer.struct), ctypes.byref(step.struct), x.data_ptr(),
+                                 _ptr(residual), workspace.data_ptr(), x_out.data_ptr(), res_out.data_ptr())

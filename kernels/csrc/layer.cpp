@@ -1,0 +1,124 @@
+// ---- one decoder layer of a Llama-class model in one call (kernels/cpu_layer.py): the same kernel calls, with the
+// same arguments and in the same order, as the Python layer path makes one by one (so the same bits), without the
+// ~115 us of Python around them a layer, during which the other compute threads only wait.
+//
+//   h, r = rms_norm(x + residual) ; qkv = h @ Wqkv (+ LoRA) ; q, k, v = contiguous copies ; rope(q, k)
+//   store k, v ; attention (decodes, then prefills) ; o = att @ Wo (+ LoRA) ; h2, r2 = rms_norm(o + r)
+//   x_out = silu_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; res_out = r2
+
+namespace {
+
+// One packed linear layer (kernels/cpu_linear.py) and, when adapters may target it, its LoRA pools.
+struct LoomLinear {
+  const float* panels;
+  int64_t N;
+  const float* bias;      // nullable
+  const float* lora_a;    // [S, R, K] or null: no pools
+  const float* lora_b;    // [R, N]
+  int64_t S, R;
+  const int64_t* offs;    // slice column offsets [S + 1]
+};
+
+struct LoomLayer {
+  LoomLinear qkv, o, gate_up, down;
+  const float* norm_in;
+  const float* norm_post;
+  float eps;
+  int64_t hidden, heads, kv_heads, head_dim, inter;
+  const float* cos_sin;  // rope cache [positions, head_dim]
+  float* k_cache;
+  float* v_cache;        // [blocks, block_size, kv_heads, head_dim]
+  int64_t block_size;
+  float scale;
+  int64_t window;
+  float softcap;
+};
+
+// What every layer of one step shares: the batch, its attention metadata, its LoRA groups.
+struct LoomStep {
+  int64_t T;
+  const int64_t* positions;
+  const int64_t* slots;
+  int64_t num_decode;  // decode tokens first, one per sequence
+  const int32_t* dec_bt;
+  int64_t dec_bt_width;
+  const int32_t* dec_sl;
+  int64_t num_prefill;  // prefill sequences after them
+  const int32_t* pre_cu;
+  const int32_t* pre_sl;
+  const int32_t* pre_bt;
+  int64_t pre_bt_width;
+  int64_t prefill_tile;
+  const int64_t* tok;  // LoRA groups (loom_lora_apply's arrays); lora_mask bit i: linear i (qkv, o, gate_up, down)
+  const int32_t* seg;
+  const int32_t* rows;
+  const int32_t* ranks;
+  const float* scal;
+  int64_t groups, fuse_min, lora_mask;
+  int64_t mc_hidden, mc_q, mc_inter;  // the GEMMs' row blocks for K = hidden, heads x head_dim, inter
+  int nthreads;
+};
+
+void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const float* x, int64_t K, int64_t mc, float* y) {
+  if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
+    loom_gemm_lora(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, l.lora_a, l.R, l.lora_b, l.offs, l.S, st.tok,
+                   st.seg, st.rows, st.ranks, st.scal, st.groups, st.fuse_min, mc, st.nthreads);
+  else
+    loom_gemm(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, mc, st.nthreads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Floats of workspace loom_decoder_layer needs for T tokens.
+int64_t loom_decoder_layer_workspace(const LoomLayer* L, int64_t T) {
+  const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
+  return T * (4 * L->hidden + (q + 2 * kv) + 2 * q + 2 * kv + 3 * L->inter);
+}
+
+// x, residual (null in the first layer) [T, hidden] -> x_out (the MLP's output), res_out [T, hidden].
+void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, const float* residual, float* ws,
+                        float* x_out, float* res_out) {
+  const LoomStep& st = *s;
+  const int64_t T = st.T, Hd = L->hidden, H = L->heads, KVH = L->kv_heads, D = L->head_dim, I = L->inter;
+  const int64_t q_n = H * D, kv_n = KVH * D, qkv_n = q_n + 2 * kv_n;
+  float* h = ws;
+  float* r = h + T * Hd;
+  float* qkv = r + T * Hd;
+  float* q = qkv + T * qkv_n;
+  float* k = q + T * q_n;
+  float* v = k + T * kv_n;
+  float* att = v + T * kv_n;
+  float* o = att + T * q_n;
+  float* h2 = o + T * Hd;
+  float* gu = h2 + T * Hd;
+  float* act = gu + T * 2 * I;
+  if (T == 0) return;
+
+  loom_rms_norm(x, Hd, residual, residual ? Hd : 0, L->norm_in, L->eps, h, Hd, r, Hd, T, Hd, st.nthreads);
+  layer_linear(L->qkv, st.lora_mask & 1, st, h, Hd, st.mc_hidden, qkv);
+  for (int64_t t = 0; t < T; ++t) {  // q, k, v out of the fused rows, each contiguous
+    const float* row = qkv + t * qkv_n;
+    std::memcpy(q + t * q_n, row, q_n * sizeof(float));
+    std::memcpy(k + t * kv_n, row + q_n, kv_n * sizeof(float));
+    std::memcpy(v + t * kv_n, row + q_n + kv_n, kv_n * sizeof(float));
+  }
+  loom_rotary(st.positions, L->cos_sin, D, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
+  loom_store_kv(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, kv_n);
+  const int64_t d = st.num_decode;
+  if (d)
+    loom_paged_decode(q, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.dec_bt, st.dec_bt_width, st.dec_sl,
+                      d, H, att, q_n, D, L->scale, L->window, L->softcap, st.nthreads);
+  if (st.num_prefill && d < T)
+    loom_paged_prefill(q + d * q_n, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.pre_cu, st.pre_sl,
+                       st.num_prefill, st.pre_bt, st.pre_bt_width, H, att + d * q_n, q_n, D, L->scale, L->window,
+                       L->softcap, st.prefill_tile, st.nthreads);
+  layer_linear(L->o, st.lora_mask & 2, st, att, q_n, st.mc_q, o);
+  loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
+  layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu);
+  loom_silu_mul(gu, 2 * I, act, T, I, st.nthreads);
+  layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, x_out);
+}
+
+}  // extern "C"

@@ -1,0 +1,73 @@
+"""The CPU layer pass (models/layer_pass.py, kernels/csrc/layer.cpp: a decoder layer in one C++ call) gives the bits
+of the Python layer path: the hidden states the logits are computed from are bitwise equal, step by step, through
+single decodes, mixed prefill + decode batches in chunks, a prefix-cache hit and LoRA adapters (all projections, q/v
+only, mixed with base rows), for every family; the families whose layers it does not take run the Python path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.hf_models import MOE_FAMILIES, make_hf_model, make_peft_adapter, random_prompts
+from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
+from loom.models import layer_pass as lp_mod
+from loom.models.layer_pass import LayerPass
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# families whose layers the pass takes (plain Llama-class layers: rope scaling, windows, q/k/v biases) and not
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False, "gemma2": False, "mixtral": False}
+
+
+@pytest.fixture(scope="module", params=sorted(TAKEN))
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"layerpass-{request.param}")
+    _, path = make_hf_model(request.param, root, bias_std=0.5)
+    adapters = root / "adapters"
+    every = ATTN + ([] if request.param in MOE_FAMILIES else MLP)  # MoE experts are not modules
+    make_peft_adapter(path, str(adapters / "all"), seed=1, r=8, target_modules=every)
+    make_peft_adapter(path, str(adapters / "qv"), seed=2, r=4, target_modules=["q_proj", "v_proj"])
+    return request.param, path, str(adapters)
+
+
+def _record(llm: LLM, on: bool) -> tuple[list, list[torch.Tensor]]:
+    """Tokens of every scenario, and every hidden-state batch the logits were computed from, pass on or off."""
+    model = llm.engine.runner.model
+    decoder = model.model
+    assert isinstance(decoder.layer_pass, LayerPass)  # the engine sets it on CPU
+    if not on:
+        decoder.layer_pass = None
+    for name in ("all", "qv"):  # resident before the recorded steps: a load in the background would change batches
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1), lora_names=name)
+    seen: list[torch.Tensor] = []
+    logits = model.compute_logits
+    model.compute_logits = lambda h: (seen.append(h.clone()), logits(h))[1]
+    prompts = random_prompts([1, 9, 23, 40, 64], 320, seed=5)
+    toks = [o.token_ids for o in llm.generate(prompts[:1], GREEDY)]  # one sequence: steps of one token
+    toks += [o.token_ids for o in llm.generate(prompts, GREEDY)]  # mixed prefill + decode, chunked (budget 32)
+    toks += [o.token_ids for o in llm.generate([prompts[4][:32] + [7, 8]], GREEDY)]  # a prefix-cache hit
+    toks += [o.token_ids for o in llm.generate(prompts, GREEDY, lora_names=["all", None, "qv", "all", "qv"])]
+    toks += [o.token_ids for o in llm.generate(prompts[2:4], GREEDY, lora_names="all")]  # one adapter, every row
+    toks += [o.token_ids for o in llm.generate(prompts[:3], GREEDY, lora_names="qv")]  # q and v only
+    return toks, seen
+
+
+def _llm(path: str, adapters: str, threads: int) -> LLM:
+    return LLM(path, adapter_roots=[adapters], max_lora_rank=8, lora_memory_bytes=1 << 20, block_size=16,
+               max_num_batched_tokens=32, kv_cache_memory_bytes=2 << 20, cpu_threads=threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_pass_gives_the_python_layers_bits(family, threads, monkeypatch):
+    name, path, adapters = family
+    calls = []
+    run = lp_mod.decoder_layer
+    monkeypatch.setattr(lp_mod, "decoder_layer", lambda *a: (calls.append(1), run(*a))[1])
+    toks_py, hidden_py = _record(_llm(path, adapters, threads), on=False)
+    assert not calls
+    toks, hidden = _record(_llm(path, adapters, threads), on=True)
+    assert bool(calls) == TAKEN[name]
+    assert toks == toks_py
+    assert len(hidden) == len(hidden_py) > 20
+    assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_py))
