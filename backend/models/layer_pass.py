@@ -13,6 +13,7 @@ import torch
 
 from loom.kernels import silu_and_mul
 from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
+from loom.kernels.dispatch import use_triton
 from loom.layers.forward_context import get_forward_context
 from loom.models.llama import MLP, LlamaDecoderLayer
 
@@ -58,11 +59,16 @@ def _rows(t: Optional[torch.Tensor], hidden: int) -> bool:
 
 class LayerPass:
     def __init__(self):
+        self._eligible: dict[int, bool] = {}  # by id(layer): its kind and packing do not change
         self._layers: dict[int, tuple[tuple, Optional[LayerArgs]]] = {}
         self._ctx = None  # the forward context the step state below was made for
         self._step: Optional[StepArgs] = None
         self._dims: tuple = ()
         self._buffers: tuple = ()
+        # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse (engine/cpu.py);
+        # allocated every step it would be mapped and zeroed afresh
+        self._ws = torch.empty(0)
+        self._rows = torch.empty(0)
 
     def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor]):
         args = self._args(layer)
@@ -72,12 +78,16 @@ class LayerPass:
         if step is None:
             return layer(positions, x, residual)
         ws, pairs = self._buffers
-        out_x, out_res = pairs[0] if x is not pairs[0][0] else pairs[1]  # never the pair being read
+        a, b = pairs
+        out_x, out_res = a if x is not a[0] and residual is not a[1] else b  # never the pair being read
         decoder_layer(args, step, x, residual, ws, out_x, out_res)
         return out_x, out_res
 
     def _args(self, layer) -> Optional[LayerArgs]:
-        if not _eligible(layer):
+        ok = self._eligible.get(id(layer))
+        if ok is None:
+            ok = self._eligible[id(layer)] = _eligible(layer)
+        if not ok:
             return None
         key = _key(layer)
         have = self._layers.get(id(layer))
@@ -92,6 +102,8 @@ class LayerPass:
         if ctx is self._ctx and dims == self._dims:
             return self._step
         self._ctx, self._dims, self._step = ctx, dims, None
+        if use_triton(positions):  # LOOM_FORCE_TRITON: every kernel runs its Triton version (parity tests)
+            return None
         slots = ctx.slot_mapping
         if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape[0] != T or \
                 slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != T:
@@ -102,7 +114,11 @@ class LayerPass:
                        for name in _GROUPS)
         self._step = StepArgs(T, positions, slots, ctx.num_decode_seqs, ctx.decode, ctx.prefill, lora, groups,
                               args.hidden, args.q_size, args.inter)
-        ws = torch.empty(args.workspace_floats(T))
-        pairs = tuple((torch.empty((T, args.hidden)), torch.empty((T, args.hidden))) for _ in range(2))
-        self._buffers = (ws, pairs)
+        n, rows = args.workspace_floats(T), T * args.hidden
+        if self._ws.numel() < n:
+            self._ws = torch.empty(n)
+        if self._rows.numel() < 4 * rows:
+            self._rows = torch.empty(4 * rows)
+        x0, r0, x1, r1 = (self._rows[i * rows:(i + 1) * rows].view(T, args.hidden) for i in range(4))
+        self._buffers = (self._ws, ((x0, r0), (x1, r1)))
         return self._step
