@@ -45,7 +45,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 def _f32(*tensors: Optional[torch.Tensor]) -> bool:
-    return all(t is None or (t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
+    return all(t is None or (cpu_ext.usable(t) and t.is_contiguous()) for t in tensors)
 
 
 class LayerArgs:
@@ -88,7 +88,9 @@ class StepArgs:
 
     def __init__(self, T: int, positions: torch.Tensor, slots: torch.Tensor, num_decode: int, decode, prefill,
                  lora, lora_groups: tuple[bool, bool, bool, bool], hidden: int, q_size: int, inter: int):
-        c32 = lambda t: cpu_ext.contiguous(t, torch.int32)  # noqa: E731
+        def c32(t):
+            return cpu_ext.contiguous(t, torch.int32)
+
         keep = [positions, slots]
         dec_bt = dec_sl = pre_cu = pre_sl = pre_bt = None
         if num_decode:

@@ -53,7 +53,7 @@ def _layer_args(layer) -> Optional[LayerArgs]:
                       attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale, att.sliding_window, att.softcap)
 
 
-def _rows(t: Optional[torch.Tensor], hidden: int) -> bool:
+def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:
     return t is None or (t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == hidden and t.is_contiguous())
 
 
@@ -68,11 +68,11 @@ class LayerPass:
         # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse (engine/cpu.py);
         # allocated every step it would be mapped and zeroed afresh
         self._ws = torch.empty(0)
-        self._rows = torch.empty(0)
+        self._row_buf = torch.empty(0)
 
     def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor]):
         args = self._args(layer)
-        if args is None or not (_rows(x, args.hidden) and _rows(residual, args.hidden)):
+        if args is None or not (_hidden_rows(x, args.hidden) and _hidden_rows(residual, args.hidden)):
             return layer(positions, x, residual)
         step = self._step_for(args, positions, x.shape[0])
         if step is None:
@@ -117,8 +117,8 @@ class LayerPass:
         n, rows = args.workspace_floats(T), T * args.hidden
         if self._ws.numel() < n:
             self._ws = torch.empty(n)
-        if self._rows.numel() < 4 * rows:
-            self._rows = torch.empty(4 * rows)
-        x0, r0, x1, r1 = (self._rows[i * rows:(i + 1) * rows].view(T, args.hidden) for i in range(4))
+        if self._row_buf.numel() < 4 * rows:
+            self._row_buf = torch.empty(4 * rows)
+        x0, r0, x1, r1 = (self._row_buf[i * rows:(i + 1) * rows].view(T, args.hidden) for i in range(4))
         self._buffers = (self._ws, ((x0, r0), (x1, r1)))
         return self._step
