@@ -1,12 +1,15 @@
 // Shared by every kernel file (they are compiled as one translation unit, this file first): includes and the
 // vector helpers.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
+#include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif

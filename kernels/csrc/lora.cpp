@@ -73,20 +73,25 @@ inline void shrink_block(const float* const* x, const float* const* a, int64_t K
       for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a[j][k];
 }
 
-// y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time
+// y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time. STORE: y_i[c]
+// = the sum (unscaled), for lora_combine to add later with the same arithmetic.
+template <bool STORE = false>
 inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, const float* b, int64_t ldb,
                         int64_t rank, float sc, int64_t c0, int64_t c1) {
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t c = c0; c < c1; ++c) {
       float d = 0.f;
       for (int64_t r = 0; r < rank; ++r) d += coef[i][r] * b[r * ldb + c];
-      y[i][c] += sc * d;
+      if constexpr (STORE)
+        y[i][c] = d;
+      else
+        y[i][c] += sc * d;
     }
 }
 
 // y_i[c : c + 16] += sc * sum_r coef_i[r] * b_r[c : c + 16] for TI token rows (b_r = b + r * ldb). The rank sum
 // is formed on its own and added to y once (as the reference adds its delta), not term by term into y.
-template <int TI>
+template <int TI, bool STORE = false>
 inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank,
                          float sc) {
 #if defined(__AVX512F__)  // one vector a row: each column's arithmetic as below
@@ -97,7 +102,8 @@ inline void expand_block(float* const* y, const float* const* coef, const float*
     for (int i = 0; i < TI; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(coef[i][r]), bv, acc[i]);
   }
   const __m512 s = _mm512_set1_ps(sc);
-  for (int i = 0; i < TI; ++i) _mm512_storeu_ps(y[i], _mm512_fmadd_ps(s, acc[i], _mm512_loadu_ps(y[i])));
+  for (int i = 0; i < TI; ++i)
+    _mm512_storeu_ps(y[i], STORE ? acc[i] : _mm512_fmadd_ps(s, acc[i], _mm512_loadu_ps(y[i])));
 #elif defined(__AVX2__)
   __m256 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -111,11 +117,11 @@ inline void expand_block(float* const* y, const float* const* coef, const float*
   }
   const __m256 s = _mm256_set1_ps(sc);
   for (int i = 0; i < TI; ++i) {
-    _mm256_storeu_ps(y[i], _mm256_fmadd_ps(s, acc[i][0], _mm256_loadu_ps(y[i])));
-    _mm256_storeu_ps(y[i] + 8, _mm256_fmadd_ps(s, acc[i][1], _mm256_loadu_ps(y[i] + 8)));
+    _mm256_storeu_ps(y[i], STORE ? acc[i][0] : _mm256_fmadd_ps(s, acc[i][0], _mm256_loadu_ps(y[i])));
+    _mm256_storeu_ps(y[i] + 8, STORE ? acc[i][1] : _mm256_fmadd_ps(s, acc[i][1], _mm256_loadu_ps(y[i] + 8)));
   }
 #else
-  expand_cols(y, TI, coef, b, ldb, rank, sc, 0, 16);
+  expand_cols<STORE>(y, TI, coef, b, ldb, rank, sc, 0, 16);
 #endif
 }
 
@@ -137,6 +143,7 @@ void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, i
 }
 
 // The tile's expand over columns [c0, c1) of y and b: 16 at a time, then the tail column by column
+template <bool STORE = false>
 void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad, const float* b, int64_t ldb,
                  int64_t rank, float sc, int64_t c0, int64_t c1) {
   const float* cf_all[LORA_MAX_TILE];
@@ -148,13 +155,13 @@ void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad
       const int64_t ti = std::min<int64_t>(4, nt - i0);
       for (int64_t i = 0; i < ti; ++i) yr[i] = y[i0 + i] + c;
       switch (ti) {
-        case 4: expand_block<4>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
-        case 3: expand_block<3>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
-        case 2: expand_block<2>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
-        default: expand_block<1>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        case 4: expand_block<4, STORE>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        case 3: expand_block<3, STORE>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        case 2: expand_block<2, STORE>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
+        default: expand_block<1, STORE>(yr, cf_all + i0, b + c, ldb, rank, sc); break;
       }
     }
-  if (c < c1) expand_cols(y, nt, cf_all, b, ldb, rank, sc, c, c1);
+  if (c < c1) expand_cols<STORE>(y, nt, cf_all, b, ldb, rank, sc, c, c1);
 }
 
 // One token's delta over columns [c0, c1) of its y row (all in one slice), with expand_tile's arithmetic column for
@@ -253,6 +260,67 @@ struct LoraItems {
   int64_t size() const { return int64_t(g.size()); }
 };
 
+// One LoRA pass's arguments (loom_lora_apply's) and its work item: a tile of one group's tokens, its adapter's rows
+// loaded, shrunk and expanded. STORE: each token's unscaled delta goes to its row of `out` (row stride out_ld)
+// instead of being added to y (lora_combine adds it later, bitwise as the add here).
+struct LoraPass {
+  const float* x;
+  int64_t xs;
+  const float* a;
+  int64_t S, R, K;
+  const float* b;
+  int64_t N;
+  const int64_t* offs;
+  float* y;
+  int64_t ys;
+  const int64_t *tok;
+  const int32_t *seg, *rows, *ranks;
+  const float* scal;
+  int64_t G;
+  LoraItems items;
+
+  struct Scratch {
+    std::vector<float> buf;  // [slice][tile token][rank]
+    std::vector<const float*> xr;
+    std::vector<float*> yr;
+    float sink = 0.f;  // touch's loads
+    explicit Scratch(const LoraPass& p)
+        : buf(p.items.tile * p.S * p.rank_pad()), xr(p.items.tile), yr(p.items.tile) {}
+  };
+  int64_t rank_pad() const { return (items.max_rank + 3) / 4 * 4; }
+
+  template <bool STORE = false>
+  void run(int64_t w, Scratch& sc, float* out = nullptr, int64_t out_ld = 0) const {
+    const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(items.tile, seg[g + 1] - t0);
+    const int64_t tile = items.tile, rp = rank_pad();
+    for (int64_t i = 0; i < nt; ++i) {
+      sc.xr[i] = x + tok[t0 + i] * xs;
+      sc.yr[i] = STORE ? out + tok[t0 + i] * out_ld : y + tok[t0 + i] * ys;
+    }
+    touch_adapter(a, S, R, K, rows[g], ranks[g], b, N, sc.sink);
+    for (int64_t s = 0; s < S; ++s)
+      shrink_tile(sc.xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], sc.buf.data() + s * tile * rp, rp);
+    for (int64_t s = 0; s < S; ++s)
+      expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, b + int64_t(rows[g]) * N, N, ranks[g],
+                         scal[g], offs[s], offs[s + 1]);
+  }
+};
+
+// y += scal * d for one token's row, slice by slice, with expand_tile's arithmetic for each column: a column in the
+// 16-wide part of its slice gets a fused multiply-add (with AVX2), a tail column a multiply, then an add.
+inline void lora_combine(float* y, const float* d, const int64_t* offs, int64_t S, float sc) {
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t c = offs[s];
+#ifdef __AVX2__
+    const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;
+    const __m256 sv = _mm256_set1_ps(sc);
+    for (; c < vec_end; c += 8)
+      _mm256_storeu_ps(y + c, _mm256_fmadd_ps(sv, _mm256_loadu_ps(d + c), _mm256_loadu_ps(y + c)));
+#endif
+    for (; c < offs[s + 1]; ++c) y[c] += sc * d[c];
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -260,31 +328,16 @@ extern "C" {
 void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const float* b,
                      int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok, const int32_t* seg,
                      const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G, int nthreads) {
-  const LoraItems items(seg, ranks, G, nthreads);
-  const int64_t n_items = items.size(), tile = items.tile;
+  const LoraPass pass{x, xs, a, S, R, K, b, N, offs, y, ys, tok, seg, rows, ranks, scal, G,
+                      LoraItems(seg, ranks, G, nthreads)};
+  const int64_t n_items = pass.items.size();
   if (n_items == 0) return;
-  const int64_t rank_pad = (items.max_rank + 3) / 4 * 4;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
   {
-    std::vector<float> buf(tile * S * rank_pad);  // [slice][tile token][rank]
-    std::vector<const float*> xr(tile);
-    std::vector<float*> yr(tile);
-    float sink = 0.f;  // touch's loads
+    LoraPass::Scratch sc(pass);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items; ++w) {
-      const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
-      for (int64_t i = 0; i < nt; ++i) {
-        xr[i] = x + tok[t0 + i] * xs;
-        yr[i] = y + tok[t0 + i] * ys;
-      }
-      touch_adapter(a, S, R, K, rows[g], ranks[g], b, N, sink);
-      for (int64_t s = 0; s < S; ++s)
-        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data() + s * tile * rank_pad, rank_pad);
-      for (int64_t s = 0; s < S; ++s)
-        expand_tile(yr.data(), nt, buf.data() + s * tile * rank_pad, rank_pad, b + int64_t(rows[g]) * N, N, ranks[g],
-                    scal[g], offs[s], offs[s + 1]);
-    }
-    keep(sink);
+    for (int64_t w = 0; w < n_items; ++w) pass.run(w, sc);
+    keep(sc.sink);
   }
 }
 

@@ -152,7 +152,7 @@ def test_lora_cpu_vs_reference(threads, num_tokens, ranks, monkeypatch):
     assert kcases.rel_err(yw[:, :300] - y0, want - y0) < 1e-5
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])  # several: decode groups beside the GEMM on other threads
 @pytest.mark.parametrize("fuse_min", [None, 1])  # None: the default split; 1: every group in the GEMM's tiles
 @pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens", "decode"])
 def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
