@@ -29,7 +29,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("norm_in", _P),
                 ("norm_post", _P), ("eps", _F32), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("inter", _I64), ("cos_sin", _P), ("k_cache", _P), ("v_cache", _P),
-                ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32)]
+                ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32), ("q_norm", _P),
+                ("k_norm", _P), ("qk_eps", _F32), ("rotary_dim", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -61,13 +62,18 @@ class LayerArgs:
 
 def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, kv_heads: int,
                head_dim: int, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               window: Optional[int], softcap: Optional[float]) -> Optional[LayerArgs]:
-    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down. None
-    when a tensor is not what the kernels read (the layer then runs its Python path)."""
+               window: Optional[int], softcap: Optional[float], qk_norms: Optional[tuple] = None,
+               rotary_dim: Optional[int] = None) -> Optional[LayerArgs]:
+    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down;
+    qk_norms: (q weight, k weight, eps) of per-head norms before rope (Qwen3); rotary_dim: the dims of each head rope
+    turns (head_dim when None). None when a tensor is not what the kernels read (the layer then runs its Python
+    path)."""
     if not all(isinstance(p, PackedWeight) and _f32(p.bias, a, b) for p, a, b, _ in linears):
         return None
     lib = linears[0][0].lib
-    if any(p.lib is not lib for p, *_ in linears) or not _f32(norm_in, norm_post, cos_sin, k_cache, v_cache) \
+    q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
+    if any(p.lib is not lib for p, *_ in linears) or not _f32(norm_in, norm_post, cos_sin, k_cache, v_cache, q_norm,
+                                                               k_norm) \
             or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return None
     keep, structs = [], []
@@ -79,7 +85,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     window, cap = attention_options(window, softcap)
     hidden, inter = linears[0][0].in_features, linears[3][0].in_features
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
-                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap)
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap,
+                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim)
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
 
 

@@ -1,9 +1,10 @@
 """On CPU, each Llama-class decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
 The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
-takes it when it is a plain LlamaDecoderLayer (dense SiLU MLP, rope on the whole head, no q/k norm, no Gemma norm
-offset) whose tensors the C++ kernels read; every other layer, and every step the kernels would not take, runs its
-Python path. Both give the same bits: the C++ layer calls the same kernels with the same arguments.
+takes it when it is a LlamaDecoderLayer with a dense SiLU MLP and no Gemma norm offset (Llama, Mistral, Qwen2, Qwen3's
+per-head q/k norms, Phi-3's partial rotary) whose tensors the C++ kernels read; every other layer (Gemma's, MoE
+layers), and every step the kernels would not take, runs its Python path. Both give the same bits: the C++ layer
+calls the same kernels with the same arguments.
 """
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ def _eligible(layer) -> bool:
     if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not MLP or layer.mlp.act_and_mul is not silu_and_mul:
         return False
     attn = layer.self_attn
-    return (attn.q_norm is None and attn.rotary.rotary_dim == attn.head_dim and not layer.input_layernorm.offset
-            and not layer.post_attention_layernorm.offset and all(m.dense is not None for m in _linears(layer)))
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.q_norm is not None:
+        if attn.q_norm.eps != attn.k_norm.eps:
+            return False
+        norms += [attn.q_norm, attn.k_norm]
+    return not any(n.offset for n in norms) and all(m.dense is not None for m in _linears(layer))
 
 
 def _key(layer) -> tuple:
@@ -48,9 +53,11 @@ def _layer_args(layer) -> Optional[LayerArgs]:
     if att.k_cache is None or att.v_cache is None:
         return None
     linears = [(m.dense, m.lora_a, m.lora_b, m.slice_offsets) for m in _linears(layer)]
+    qk = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
     return layer_args(linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                       layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                      attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale, att.sliding_window, att.softcap)
+                      attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale, att.sliding_window, att.softcap,
+                      qk, attn.rotary.rotary_dim)
 
 
 def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:

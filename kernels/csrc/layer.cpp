@@ -2,7 +2,8 @@
 // same arguments and in the same order, as the Python layer path makes one by one (so the same bits), without the
 // ~115 us of Python around them a layer, during which the other compute threads only wait.
 //
-//   h, r = rms_norm(x + residual) ; qkv = h @ Wqkv (+ LoRA) ; q, k, v = contiguous copies ; rope(q, k)
+//   h, r = rms_norm(x + residual) ; qkv = h @ Wqkv (+ LoRA) ; q, k, v = contiguous copies
+//   [q, k = rms_norm per head (Qwen3)] ; rope(q, k) on the first rotary_dim dims of each head
 //   store k, v ; attention (decodes, then prefills) ; o = att @ Wo (+ LoRA) ; h2, r2 = rms_norm(o + r)
 //   x_out = silu_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; res_out = r2
 
@@ -32,6 +33,10 @@ struct LoomLayer {
   float scale;
   int64_t window;
   float softcap;
+  const float* q_norm;   // per-head norms of q and k before rope, or null
+  const float* k_norm;
+  float qk_eps;
+  int64_t rotary_dim;    // head_dim, or fewer (partial rotary)
 };
 
 // What every layer of one step shares: the batch, its attention metadata, its LoRA groups.
@@ -104,7 +109,11 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
     std::memcpy(k + t * kv_n, row + q_n, kv_n * sizeof(float));
     std::memcpy(v + t * kv_n, row + q_n + kv_n, kv_n * sizeof(float));
   }
-  loom_rotary(st.positions, L->cos_sin, D, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
+  if (L->q_norm) {  // in place, over rows of one head; att (written only by the attention below) takes res_out
+    loom_rms_norm(q, D, nullptr, 0, L->q_norm, L->qk_eps, q, D, att, D, T * H, D, st.nthreads);
+    loom_rms_norm(k, D, nullptr, 0, L->k_norm, L->qk_eps, k, D, att, D, T * KVH, D, st.nthreads);
+  }
+  loom_rotary(st.positions, L->cos_sin, L->rotary_dim, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
   loom_store_kv(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, kv_n);
   const int64_t d = st.num_decode;
   if (d)

@@ -17,7 +17,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # families whose layers the pass takes (plain Llama-class layers: rope scaling, windows, q/k/v biases) and not
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": False, "gemma2": False, "mixtral": False}
+TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "phi3": True, "gemma2": False,
+         "mixtral": False}
 
 
 @pytest.fixture(scope="module", params=sorted(TAKEN))
@@ -26,8 +27,11 @@ def family(request, tmp_path_factory):
     _, path = make_hf_model(request.param, root, bias_std=0.5)
     adapters = root / "adapters"
     every = ATTN + ([] if request.param in MOE_FAMILIES else MLP)  # MoE experts are not modules
+    some = ["q_proj", "v_proj"]
+    if request.param == "phi3":  # fused in the checkpoint
+        every, some = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "down_proj"]
     make_peft_adapter(path, str(adapters / "all"), seed=1, r=8, target_modules=every)
-    make_peft_adapter(path, str(adapters / "qv"), seed=2, r=4, target_modules=["q_proj", "v_proj"])
+    make_peft_adapter(path, str(adapters / "qv"), seed=2, r=4, target_modules=some)
     return request.param, path, str(adapters)
 
 
