@@ -50,6 +50,7 @@ _SIGNATURES = {
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64, _I32],
+    "loom_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "loom_argmax": [_P, _I64, _I64, _I64, _P, _I32],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],

@@ -1,6 +1,7 @@
-"""A Llama-class decoder layer in one C++ call on CPU (kernels/csrc/layer.cpp): the kernels the Python layer path
-calls one by one (RMS norm, packed GEMMs with their LoRA, rope, KV store, paged attention, SiLU-and-mul), with the
-same arguments in the same order, so the same bits, without ~115 us of Python a layer around them.
+"""A Llama-class or Gemma decoder layer in one C++ call on CPU (kernels/csrc/layer.cpp): the kernels the Python layer
+path calls one by one (RMS norms, packed GEMMs with their LoRA, rope, KV store, paged attention, the gated
+activation), with the same arguments in the same order, so the same bits, without ~115 us of Python a layer around
+them.
 
 `LayerArgs` holds one layer's weights, caches and pools as the C++ side reads them (made once, again when a pointer
 changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Which layers take
@@ -30,7 +31,8 @@ class _Layer(ctypes.Structure):
                 ("norm_post", _P), ("eps", _F32), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("head_dim", _I64), ("inter", _I64), ("cos_sin", _P), ("k_cache", _P), ("v_cache", _P),
                 ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32), ("q_norm", _P),
-                ("k_norm", _P), ("qk_eps", _F32), ("rotary_dim", _I64)]
+                ("k_norm", _P), ("qk_eps", _F32), ("rotary_dim", _I64), ("norm_post_attn", _P), ("norm_post_ff", _P),
+                ("gelu", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -63,17 +65,21 @@ class LayerArgs:
 def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, kv_heads: int,
                head_dim: int, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                window: Optional[int], softcap: Optional[float], qk_norms: Optional[tuple] = None,
-               rotary_dim: Optional[int] = None) -> Optional[LayerArgs]:
+               rotary_dim: Optional[int] = None, output_norms: Optional[tuple] = None,
+               gelu: bool = False) -> Optional[LayerArgs]:
     """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down;
-    qk_norms: (q weight, k weight, eps) of per-head norms before rope (Qwen3); rotary_dim: the dims of each head rope
-    turns (head_dim when None). None when a tensor is not what the kernels read (the layer then runs its Python
-    path)."""
+    norm_post: the norm before the MLP; qk_norms: (q weight, k weight, eps) of per-head norms before rope (Qwen3,
+    Gemma 3); rotary_dim: the dims of each head rope turns (head_dim when None); output_norms: (attention output,
+    MLP output) norm weights (Gemma); gelu: the MLP's activation is GELU-tanh, not SiLU. Norm weights as the kernel
+    multiplies by (Gemma's 1 + w already added). None when a tensor is not what the kernels read (the layer then
+    runs its Python path)."""
     if not all(isinstance(p, PackedWeight) and _f32(p.bias, a, b) for p, a, b, _ in linears):
         return None
     lib = linears[0][0].lib
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
+    post_attn, post_ff = output_norms or (None, None)
     if any(p.lib is not lib for p, *_ in linears) or not _f32(norm_in, norm_post, cos_sin, k_cache, v_cache, q_norm,
-                                                               k_norm) \
+                                                               k_norm, post_attn, post_ff) \
             or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return None
     keep, structs = [], []
@@ -86,7 +92,9 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     hidden, inter = linears[0][0].in_features, linears[3][0].in_features
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
                     cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap,
-                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim)
+                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    int(gelu))
+    keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
 
 

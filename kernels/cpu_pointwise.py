@@ -1,13 +1,13 @@
 """The pointwise work between the GEMMs on CPU, one C++ call each (kernels/cpu_ext.py) instead of about ten
-small torch ops: fused_add_rms_norm, rotary_embedding (in place), silu_and_mul. Same signatures and float32
-math as the references (norm.py, rotary.py, activation.py), which run for anything else - and under
+small torch ops: fused_add_rms_norm, rotary_embedding (in place), silu_and_mul, gelu_tanh_and_mul. Same signatures
+and float32 math as the references (norm.py, rotary.py, activation.py), which run for anything else - and under
 torch.compile, where inductor fuses them into its own loops (ctypes calls cannot be traced)."""
 from __future__ import annotations
 
 import torch
 
 from loom.kernels import cpu_ext
-from loom.kernels.activation import silu_and_mul_ref
+from loom.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from loom.kernels.norm import fused_add_rms_norm_ref
 from loom.kernels.rotary import rotary_embedding_ref
 
@@ -51,12 +51,20 @@ def rotary_embedding_cpu(positions, q, k, cos_sin_cache):
                         cpu_ext.nthreads())
 
 
-def silu_and_mul_cpu(x):
+def _act_and_mul(x, kernel: str, ref):
     lib = _lib()
     if lib is None or not cpu_ext.usable(x) or not _rows(x):
-        return silu_and_mul_ref(x)
+        return ref(x)
     T, two_i = x.shape
     out = torch.empty((T, two_i // 2), dtype=x.dtype)
     if T:
-        lib.loom_silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), T, two_i // 2, cpu_ext.nthreads())
+        getattr(lib, kernel)(x.data_ptr(), x.stride(0), out.data_ptr(), T, two_i // 2, cpu_ext.nthreads())
     return out
+
+
+def silu_and_mul_cpu(x):
+    return _act_and_mul(x, "loom_silu_mul", silu_and_mul_ref)
+
+
+def gelu_tanh_and_mul_cpu(x):
+    return _act_and_mul(x, "loom_gelu_tanh_mul", gelu_tanh_and_mul_ref)

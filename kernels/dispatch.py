@@ -17,7 +17,12 @@ from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_r
 from loom.kernels.cpu_argmax import argmax_cpu
 from loom.kernels.cpu_lora import lora_apply_cpu
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu, store_kv_cpu
-from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+from loom.kernels.cpu_pointwise import (
+    fused_add_rms_norm_cpu,
+    gelu_tanh_and_mul_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+)
 from loom.kernels.kv_store import store_kv_triton
 from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
@@ -68,7 +73,7 @@ def argmax(x):
 
 
 def gelu_tanh_and_mul(x):
-    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_ref)(x)
+    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_cpu)(x)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):

@@ -1,10 +1,10 @@
 """On CPU, each Llama-class decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
 The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
-takes it when it is a LlamaDecoderLayer with a dense SiLU MLP and no Gemma norm offset (Llama, Mistral, Qwen2, Qwen3's
-per-head q/k norms, Phi-3's partial rotary) whose tensors the C++ kernels read; every other layer (Gemma's, MoE
-layers), and every step the kernels would not take, runs its Python path. Both give the same bits: the C++ layer
-calls the same kernels with the same arguments.
+takes it when it is a Llama-class or Gemma decoder layer with a dense MLP (Llama, Mistral, Qwen2, Qwen3's per-head
+q/k norms, Phi-3's partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels
+read; MoE layers, and every step the kernels would not take, run their Python path. Both give the same bits: the
+C++ layer calls the same kernels with the same arguments.
 """
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
-from loom.kernels import silu_and_mul
+from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
 from loom.kernels.dispatch import use_triton
 from loom.layers.forward_context import get_forward_context
+from loom.layers.norm import RMSNorm
+from loom.models.gemma import GemmaDecoderLayer
 from loom.models.llama import MLP, LlamaDecoderLayer
 
 _GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -26,16 +28,31 @@ def _linears(layer: LlamaDecoderLayer):
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _norms(layer) -> tuple:
+    """(before attention, after attention or None, before the MLP, after the MLP or None): the C++ layer's order."""
+    if type(layer) is GemmaDecoderLayer:
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm)
+    return layer.input_layernorm, None, layer.post_attention_layernorm, None
+
+
 def _eligible(layer) -> bool:
-    if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not MLP or layer.mlp.act_and_mul is not silu_and_mul:
+    if type(layer) not in (LlamaDecoderLayer, GemmaDecoderLayer) or type(layer.mlp) is not MLP \
+            or layer.mlp.act_and_mul not in (silu_and_mul, gelu_tanh_and_mul):
         return False
-    attn = layer.self_attn
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if attn.q_norm is not None:
-        if attn.q_norm.eps != attn.k_norm.eps:
-            return False
-        norms += [attn.q_norm, attn.k_norm]
-    return not any(n.offset for n in norms) and all(m.dense is not None for m in _linears(layer))
+    attn, norms = layer.self_attn, _norms(layer)
+    if any(n is not None and n.eps != norms[0].eps for n in norms):  # the C++ layer takes one eps
+        return False
+    if attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps:
+        return False
+    return all(m.dense is not None for m in _linears(layer))
+
+
+def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
+    """What the norm's kernel multiplies by, as RMSNorm.forward computes it (Gemma's 1 + w); made once here."""
+    if norm is None:
+        return None
+    return norm.weight.float() + 1.0 if norm.offset else norm.weight
 
 
 def _key(layer) -> tuple:
@@ -53,11 +70,13 @@ def _layer_args(layer) -> Optional[LayerArgs]:
     if att.k_cache is None or att.v_cache is None:
         return None
     linears = [(m.dense, m.lora_a, m.lora_b, m.slice_offsets) for m in _linears(layer)]
-    qk = None if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-    return layer_args(linears, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                      layer.input_layernorm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                      attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale, att.sliding_window, att.softcap,
-                      qk, attn.rotary.rotary_dim)
+    qk = None if attn.q_norm is None else (_weight(attn.q_norm), _weight(attn.k_norm), attn.q_norm.eps)
+    n_in, n_attn, n_mlp, n_out = _norms(layer)
+    return layer_args(linears, _weight(n_in), _weight(n_mlp), n_in.eps, attn.num_heads, attn.num_kv_heads,
+                      attn.head_dim, attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale,
+                      att.sliding_window, att.softcap, qk, attn.rotary.rotary_dim,
+                      None if n_attn is None else (_weight(n_attn), _weight(n_out)),
+                      layer.mlp.act_and_mul is gelu_tanh_and_mul)
 
 
 def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:

@@ -1,11 +1,12 @@
-// ---- one decoder layer of a Llama-class model in one call (kernels/cpu_layer.py): the same kernel calls, with the
+// ---- one decoder layer of a Llama-class or Gemma model in one call (kernels/cpu_layer.py): the same kernel calls, with the
 // same arguments and in the same order, as the Python layer path makes one by one (so the same bits), without the
 // ~115 us of Python around them a layer, during which the other compute threads only wait.
 //
 //   h, r = rms_norm(x + residual) ; qkv = h @ Wqkv (+ LoRA) ; q, k, v = contiguous copies
 //   [q, k = rms_norm per head (Qwen3)] ; rope(q, k) on the first rotary_dim dims of each head
-//   store k, v ; attention (decodes, then prefills) ; o = att @ Wo (+ LoRA) ; h2, r2 = rms_norm(o + r)
-//   x_out = silu_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; res_out = r2
+//   store k, v ; attention (decodes, then prefills) ; o = att @ Wo (+ LoRA) ; [o = rms_norm(o) (Gemma)]
+//   h2, r2 = rms_norm(o + r) ; x_out = act_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; [x_out = rms_norm(x_out)
+//   (Gemma)] ; res_out = r2 ; act: SiLU, or GELU's tanh approximation (Gemma)
 
 namespace {
 
@@ -37,6 +38,9 @@ struct LoomLayer {
   const float* k_norm;
   float qk_eps;
   int64_t rotary_dim;    // head_dim, or fewer (partial rotary)
+  const float* norm_post_attn;  // Gemma: the attention's and the MLP's outputs normalised (else null)
+  const float* norm_post_ff;
+  int64_t gelu;          // the MLP's activation: GELU-tanh (else SiLU)
 };
 
 // What every layer of one step shares: the batch, its attention metadata, its LoRA groups.
@@ -124,10 +128,17 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
                        st.num_prefill, st.pre_bt, st.pre_bt_width, H, att + d * q_n, q_n, D, L->scale, L->window,
                        L->softcap, st.prefill_tile, st.nthreads);
   layer_linear(L->o, st.lora_mask & 2, st, att, q_n, st.mc_q, o);
+  if (L->norm_post_attn)  // in place; h2 (written next) takes res_out
+    loom_rms_norm(o, Hd, nullptr, 0, L->norm_post_attn, L->eps, o, Hd, h2, Hd, T, Hd, st.nthreads);
   loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
   layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu);
-  loom_silu_mul(gu, 2 * I, act, T, I, st.nthreads);
-  layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, x_out);
+  (L->gelu ? loom_gelu_tanh_mul : loom_silu_mul)(gu, 2 * I, act, T, I, st.nthreads);
+  if (L->norm_post_ff) {  // the MLP's output into o (free by now), normalised into x_out; h takes res_out
+    layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, o);
+    loom_rms_norm(o, Hd, nullptr, 0, L->norm_post_ff, L->eps, x_out, Hd, h, Hd, T, Hd, st.nthreads);
+  } else {
+    layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, x_out);
+  }
 }
 
 }  // extern "C"

@@ -2,6 +2,37 @@ namespace {
 // Rows in parallel from this many elements on (a prefill chunk); below it (a decode step's rows) a parallel region
 // costs more than it saves. Rows are independent: the same bits either way.
 constexpr int64_t POINTWISE_PARALLEL_MIN = 1 << 16;
+
+// out[t, i] = act(x[t, i]) * x[t, I + i], act(v) = v * sigmoid(z) = v / (1 + exp(-z)) with z = v (SiLU) or, GELU_TANH,
+// z = 2 sqrt(2 / pi) (v + 0.044715 v^3) (GELU's tanh approximation: 0.5 v (1 + tanh(z / 2))); x rows of stride xs,
+// out rows of I
+template <bool GELU_TANH>
+void act_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I, int nthreads) {
+  constexpr float c = 2.f * 0.7978845608028654f, c3 = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= POINTWISE_PARALLEL_MIN)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = x + t * xs;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= I; i += 8) {
+      const __m256 v = _mm256_loadu_ps(g + i);
+      __m256 z = v;
+      if constexpr (GELU_TANH)
+        z = _mm256_mul_ps(_mm256_set1_ps(c),
+                          _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(c3), _mm256_mul_ps(_mm256_mul_ps(v, v), v))));
+      const __m256 e = exp256(_mm256_sub_ps(zero, z));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float v = g[i], z = GELU_TANH ? c * (v + c3 * v * v * v) : v;
+      o[i] = v / (1.f + std::exp(-z)) * u[i];
+    }
+  }
+}
 }  // namespace
 
 extern "C" {
@@ -46,24 +77,13 @@ void loom_rotary(const int64_t* pos, const float* cs, int64_t D, float* q, int64
   }
 }
 
-// out[t, i] = silu(x[t, i]) * x[t, I + i], silu(v) = v / (1 + exp(-v)); x rows of stride xs, out rows of I
+
 void loom_silu_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T * I >= POINTWISE_PARALLEL_MIN)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = x + t * xs;
-    const float* u = g + I;
-    float* o = out + t * I;
-    int64_t i = 0;
-#ifdef __AVX2__
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (; i + 8 <= I; i += 8) {
-      const __m256 v = _mm256_loadu_ps(g + i);
-      const __m256 e = exp256(_mm256_sub_ps(zero, v));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  act_mul<false>(x, xs, out, T, I, nthreads);
+}
+
+void loom_gelu_tanh_mul(const float* x, int64_t xs, float* out, int64_t T, int64_t I, int nthreads) {
+  act_mul<true>(x, xs, out, T, I, nthreads);
 }
 
 }  // extern "C"

@@ -14,10 +14,11 @@ from loom.models import layer_pass as lp_mod
 from loom.models.layer_pass import LayerPass
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-# families whose layers the pass takes (plain Llama-class layers: rope scaling, windows, q/k/v biases) and not
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "phi3": True, "gemma2": False,
+# families whose layers the pass takes (rope scaling, windows, q/k/v biases, q/k norms, partial rotary, Gemma's norms,
+# soft-capping and GELU) and not (MoE)
+TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "phi3": True, "gemma2": True, "gemma3": True,
          "mixtral": False}
 
 

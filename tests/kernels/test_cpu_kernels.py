@@ -320,7 +320,12 @@ def test_large_zeros_on_the_cpu_are_zeros_on_huge_page_boundaries():
 
 def test_pointwise_vs_references():
     from loom.kernels import activation, norm, rotary
-    from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+    from loom.kernels.cpu_pointwise import (
+        fused_add_rms_norm_cpu,
+        gelu_tanh_and_mul_cpu,
+        rotary_embedding_cpu,
+        silu_and_mul_cpu,
+    )
 
     torch.manual_seed(5)
     x, r, w = torch.randn(7, 96), torch.randn(7, 96), torch.rand(96) + 0.5
@@ -338,16 +343,28 @@ def test_pointwise_vs_references():
     assert torch.equal(qkv[:, 128:], v)  # v untouched (it shares the storage)
     for t in (torch.randn(5, 2 * 37) * 4, torch.randn(3, 2 * 64 + 8)[:, :128] * 30):
         assert kcases.rel_err(silu_and_mul_cpu(t), activation.silu_and_mul_ref(t)) < 1e-6
+        assert kcases.rel_err(gelu_tanh_and_mul_cpu(t), activation.gelu_tanh_and_mul_ref(t)) < 1e-6
+    # element by element over GELU's whole range (large negative inputs: exp's clamp; near zero: the cubic); the
+    # reference's 0.5 x (1 + tanh(u)) cancels to 0 below about -5 where x sigmoid(2u) keeps ~1e-7: atol
+    v = torch.cat([torch.linspace(-40, 40, 4001), torch.linspace(-1e-3, 1e-3, 101)])
+    t = torch.stack([v, torch.ones_like(v)], 1).reshape(1, -1)
+    t = torch.cat([t[:, 0::2], t[:, 1::2]], 1)  # [1, 2I]: gate values, then ones
+    torch.testing.assert_close(gelu_tanh_and_mul_cpu(t), activation.gelu_tanh_and_mul_ref(t), rtol=2e-6, atol=1e-6)
 
 
 def test_pointwise_rows_in_parallel_give_the_same_bits(monkeypatch):
     """A prefill chunk's rows (past the kernels' parallel threshold) go through the pointwise kernels on several
     threads: the same bits as on one thread, the references' results, and strided rows handled."""
     from loom.kernels import activation, norm, rotary
-    from loom.kernels.cpu_pointwise import fused_add_rms_norm_cpu, rotary_embedding_cpu, silu_and_mul_cpu
+    from loom.kernels.cpu_pointwise import (
+        fused_add_rms_norm_cpu,
+        gelu_tanh_and_mul_cpu,
+        rotary_embedding_cpu,
+        silu_and_mul_cpu,
+    )
 
     torch.manual_seed(7)
-    T = 1100  # x T rows of 96 and 160 floats, 2 x 37: above 1 << 16 elements for the norm, rotary and SiLU
+    T = 1100  # x T rows of 96 and 160 floats, 2 x 37: above 1 << 16 elements for the norm, rotary and activations
     x, r, w = torch.randn(T, 96), torch.randn(T, 96), torch.rand(96) + 0.5
     cs, pos = kcases.cos_sin_cache(2000, 16, "cpu"), torch.randint(0, 2000, (T,))
     qkv = torch.randn(T, 16 * 12)
@@ -357,13 +374,14 @@ def test_pointwise_rows_in_parallel_give_the_same_bits(monkeypatch):
         monkeypatch.setattr(cpu_ext, "nthreads", lambda threads=threads: threads)
         q, k = qkv.clone()[:, :128].view(T, 8, 16), qkv.clone()[:, 128:].view(T, 4, 16)
         rotary_embedding_cpu(pos, q, k, cs)
-        runs.append([*fused_add_rms_norm_cpu(x, r, w, 1e-6), q, k, silu_and_mul_cpu(gate_up)])
+        runs.append([*fused_add_rms_norm_cpu(x, r, w, 1e-6), q, k, silu_and_mul_cpu(gate_up),
+                     gelu_tanh_and_mul_cpu(gate_up)])
     for got in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, runs[0]))
     out, res = norm.fused_add_rms_norm_ref(x, r, w, 1e-6)
     q2, k2 = qkv.clone()[:, :128].view(T, 8, 16), qkv.clone()[:, 128:].view(T, 4, 16)
     rotary.rotary_embedding_ref(pos, q2, k2, cs)
-    want = [out, res, q2, k2, activation.silu_and_mul_ref(gate_up)]
+    want = [out, res, q2, k2, activation.silu_and_mul_ref(gate_up), activation.gelu_tanh_and_mul_ref(gate_up)]
     assert torch.equal(runs[0][1], want[1])
     assert all(kcases.rel_err(a, b) < 1e-6 for a, b in zip(runs[0], want))
 
