@@ -55,14 +55,16 @@ def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
     return norm.weight.float() + 1.0 if norm.offset else norm.weight
 
 
-def _key(layer) -> tuple:
-    """What a LayerArgs holds that can change while serving: the caches (bound once allocated) and the LoRA pools
-    (attached, grown), by address and shape."""
-    att = layer.self_attn.attn
-    tensors = [att.k_cache, att.v_cache]
-    for m in _linears(layer):
-        tensors += [m.lora_a, m.lora_b]
-    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors)
+def _holders(layer) -> tuple:
+    """The modules whose tensors a LayerArgs holds that can change while serving: the attention's caches (bound once
+    allocated) and each linear's LoRA pools (attached, grown). Either is rebound as a new tensor object, never
+    changed in place."""
+    return (layer.self_attn.attn, *_linears(layer))
+
+
+def _key(holders: tuple) -> tuple:
+    att, *linears = holders
+    return (att.k_cache, att.v_cache, *(t for m in linears for t in (m.lora_a, m.lora_b)))
 
 
 def _layer_args(layer) -> Optional[LayerArgs]:
@@ -85,7 +87,8 @@ def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:
 
 class LayerPass:
     def __init__(self):
-        self._eligible: dict[int, bool] = {}  # by id(layer): its kind and packing do not change
+        # by id(layer): _holders(layer), None if the pass does not take it (its kind and packing do not change)
+        self._holders: dict[int, Optional[tuple]] = {}
         self._layers: dict[int, tuple[tuple, Optional[LayerArgs]]] = {}
         self._ctx = None  # the forward context the step state below was made for
         self._step: Optional[StepArgs] = None
@@ -110,14 +113,14 @@ class LayerPass:
         return out_x, out_res
 
     def _args(self, layer) -> Optional[LayerArgs]:
-        ok = self._eligible.get(id(layer))
-        if ok is None:
-            ok = self._eligible[id(layer)] = _eligible(layer)
-        if not ok:
+        holders = self._holders.get(id(layer), False)
+        if holders is False:
+            holders = self._holders[id(layer)] = _holders(layer) if _eligible(layer) else None
+        if holders is None:
             return None
-        key = _key(layer)
+        key = _key(holders)  # the tensors themselves: comparing identities costs ~1/10 of reading addresses
         have = self._layers.get(id(layer))
-        if have is None or have[0] != key:
+        if have is None or any(a is not b for a, b in zip(have[0], key)):
             have = (key, _layer_args(layer))
             self._layers[id(layer)] = have
         return have[1]

@@ -76,3 +76,23 @@ def test_layer_pass_gives_the_python_layers_bits(family, threads, monkeypatch):
     assert toks == toks_py
     assert len(hidden) == len(hidden_py) > 20
     assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_py))
+
+
+def test_layer_args_follow_rebound_caches_and_pools(tmp_path):
+    """A layer's C++ arguments are made once and made again when its KV cache or a LoRA pool is rebound (the pools
+    are replaced when they grow): the pass never reads memory a layer no longer uses."""
+    _, path = make_hf_model("llama", tmp_path)
+    llm = LLM(path, max_lora_rank=8, lora_memory_bytes=1 << 20, block_size=16, kv_cache_memory_bytes=2 << 20)
+    decoder = llm.engine.runner.model.model
+    lp, layer = decoder.layer_pass, decoder.layers[0]
+    args = lp._args(layer)
+    assert args is not None and lp._args(layer) is args
+    mlp = layer.mlp.down_proj
+    mlp.lora_a, mlp.lora_b = mlp.lora_a.clone(), mlp.lora_b.clone()
+    again = lp._args(layer)
+    assert again is not args and again.struct.down.lora_a == mlp.lora_a.data_ptr()
+    att = layer.self_attn.attn
+    att.k_cache = att.k_cache.clone()
+    assert lp._args(layer).struct.k_cache == att.k_cache.data_ptr()
+    att.k_cache = None  # no cache bound (the memory profile's state): the Python path
+    assert lp._args(layer) is None
