@@ -94,23 +94,32 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Route every linear layer of a CPU float32 model through the C++ GEMM over packed weights
-    (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head) via its forward.
-    Returns how many were packed; each holds a second, packed copy of its weight, all of them in one buffer on
-    huge pages (kernels/cpu_memory.py: a decode step streams every one of them)."""
+    (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head, MoE routers) via its
+    forward, MoE experts via their `dense` hook (kernels/cpu_moe.py). Returns how many modules were packed; each
+    holds a second, packed copy of its weights, all of them in one buffer on huge pages (kernels/cpu_memory.py: a
+    decode step streams every one of them)."""
     from loom.kernels.cpu_linear import PackedWeight
     from loom.kernels.cpu_memory import empty_on_huge_pages
+    from loom.kernels.cpu_moe import PackedExperts
     from loom.layers.linear import LoRALinear
+    from loom.layers.moe import Experts
 
-    mods = [mod for mod in model.modules() if isinstance(mod, (LoRALinear, nn.Linear))]
-    # each weight's panels start on a cache line (16 floats)
-    sizes = [-(-PackedWeight.panels_numel(*mod.weight.shape) // 16) * 16 for mod in mods]
+    def numel(mod) -> int:
+        if isinstance(mod, Experts):
+            return PackedExperts.numel(mod.gate_up_proj.shape, mod.down_proj.shape)
+        return PackedWeight.panels_numel(*mod.weight.shape)
+
+    mods = [mod for mod in model.modules() if isinstance(mod, (LoRALinear, nn.Linear, Experts))]
+    sizes = [-(-numel(mod) // 16) * 16 for mod in mods]  # each module's panels start on a cache line (16 floats)
     arena = empty_on_huge_pages((sum(sizes),))
     start = 0
     for mod, size in zip(mods, sizes):
-        packed = PackedWeight(mod.weight, mod.bias, out=arena[start:start + size])
+        out = arena[start:start + size]
         start += size
-        if isinstance(mod, LoRALinear):
-            mod.dense = packed
+        if isinstance(mod, Experts):
+            mod.dense = PackedExperts(mod.gate_up_proj, mod.down_proj, out=out)
+        elif isinstance(mod, LoRALinear):
+            mod.dense = PackedWeight(mod.weight, mod.bias, out=out)
         else:
-            mod.forward = packed
+            mod.forward = PackedWeight(mod.weight, mod.bias, out=out)
     return len(mods)

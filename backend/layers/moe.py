@@ -2,9 +2,10 @@
 
 Routing is transformers': softmax over the router logits in float32, top-k of the probabilities, then (Mixtral
 always, Qwen3-MoE with norm_topk_prob) division by their sum; Qwen3-MoE rounds the weights to the model dtype.
-The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down); a step in which some
-adapter carries expert LoRA (`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs
-`kernels.fused_moe_lora` instead (PyTorch, on every device).
+The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down; on CPU the engine packs
+them for the C++ GEMM instead, kernels/cpu_moe.py); a step in which some adapter carries expert LoRA
+(`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs `kernels.fused_moe_lora` instead (PyTorch,
+on every device).
 
 Parameter names follow transformers 5: mlp.gate.weight [E, H], mlp.experts.gate_up_proj [E, 2I, H] (gate rows,
 then up rows) and mlp.experts.down_proj [E, H, I].
@@ -39,6 +40,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.lora_gate_up = ExpertLoRA(num_experts, hidden_size, [intermediate_size] * 2)
         self.lora_down = ExpertLoRA(num_experts, intermediate_size, [hidden_size])
+        # set by the engine on CPU: the experts over packed copies of their weights, dense(x, weights, ids)
+        self.dense = None
 
 
 class SparseMoeBlock(nn.Module):
@@ -69,4 +72,6 @@ class SparseMoeBlock(nn.Module):
             if experts is not None and experts.token_indices.numel() > 0:
                 lora = (e.lora_gate_up.lora_a, e.lora_gate_up.lora_b, e.lora_down.lora_a, e.lora_down.lora_b)
                 return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, experts)
+        if e.dense is not None:
+            return e.dense(x, weights, ids)
         return fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids)

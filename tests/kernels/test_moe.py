@@ -106,6 +106,28 @@ def test_triton_vs_ref(T, E, K, H, I, kind, extra, dtype, seed, monkeypatch):
     assert_close(out.float(), ref.float(), dtype, "triton vs ref")
 
 
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_packed_experts_vs_ref(case, monkeypatch):
+    """The CPU experts over packed weights (kernels/cpu_moe.py) against the reference in float32, every routing case
+    (tokens on one expert, experts with none, no tokens, strided routing ids); the same bits on 1, 2 and 3 threads,
+    and into one arena as the engine packs them."""
+    from loom.kernels import cpu_ext
+    from loom.kernels.cpu_moe import PackedExperts
+
+    name, T, E, K, H, I, kind, _ = next(c for c in CASES if c[0] == case)
+    x, w13, w2, tw, ids = make_inputs(T, E, K, H, I, kind, torch.float32, 7)
+    ref = fused_moe_ref(x, w13, w2, tw, ids)
+    arena = torch.full((PackedExperts.numel(w13.shape, w2.shape) + 5,), float("nan"))
+    runs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu_ext, "nthreads", lambda threads=threads: threads)
+        runs += [PackedExperts(w13, w2)(x, tw, ids), PackedExperts(w13, w2, out=arena)(x, tw, ids)]
+    assert runs[0].shape == (T, H) and runs[0].dtype == torch.float32
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    if T:
+        assert_close(runs[0], ref, torch.float32, "packed experts vs ref")
+
+
 @pytest.mark.parametrize("kind,E,K,block_m", [("random", 64, 8, 16), ("skip", 8, 2, 32), ("one", 8, 1, 16),
                                               ("skewed", 8, 2, 64), ("random", 1, 1, 16)])
 def test_align(kind, E, K, block_m):
