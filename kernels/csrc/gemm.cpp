@@ -273,7 +273,8 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
 void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, int nthreads, const LoraEpilogue* lora, const LoraPass& pass) {
   const int64_t P = (N + NR - 1) / NR, n_items = pass.items.size();
-  const std::unique_ptr<float[]> delta(new float[M * N]);  // rows of the pass's tokens written whole
+  const int64_t n_tok = pass.seg[pass.G];
+  const std::unique_ptr<float[]> delta(new float[n_tok * N]);  // a row per token of the pass, written whole
   std::atomic<int64_t> next_panel{0}, next_item{0};
 #pragma omp parallel num_threads(nthreads)
   {
@@ -299,7 +300,7 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     for (int64_t g = 0; g < pass.G; ++g) {
       if (pass.ranks[g] <= 0) continue;
       for (int64_t i = pass.seg[g]; i < pass.seg[g + 1]; ++i)
-        lora_combine(C + pass.tok[i] * ldc, delta.get() + pass.tok[i] * N, pass.offs, pass.S, pass.scal[g]);
+        lora_combine(C + pass.tok[i] * ldc, delta.get() + i * N, pass.offs, pass.S, pass.scal[g]);
     }
   }
 }

@@ -261,8 +261,8 @@ struct LoraItems {
 };
 
 // One LoRA pass's arguments (loom_lora_apply's) and its work item: a tile of one group's tokens, its adapter's rows
-// loaded, shrunk and expanded. STORE: each token's unscaled delta goes to its row of `out` (row stride out_ld)
-// instead of being added to y (lora_combine adds it later, bitwise as the add here).
+// loaded, shrunk and expanded. STORE: each token's unscaled delta goes to `out` instead of being added to y, row i
+// (stride out_ld) for tok[i] (lora_combine adds it later, bitwise as the add here).
 struct LoraPass {
   const float* x;
   int64_t xs;
@@ -295,7 +295,7 @@ struct LoraPass {
     const int64_t tile = items.tile, rp = rank_pad();
     for (int64_t i = 0; i < nt; ++i) {
       sc.xr[i] = x + tok[t0 + i] * xs;
-      sc.yr[i] = STORE ? out + tok[t0 + i] * out_ld : y + tok[t0 + i] * ys;
+      sc.yr[i] = STORE ? out + (t0 + i) * out_ld : y + tok[t0 + i] * ys;
     }
     touch_adapter(a, S, R, K, rows[g], ranks[g], b, N, sc.sink);
     for (int64_t s = 0; s < S; ++s)
