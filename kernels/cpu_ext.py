@@ -31,7 +31,8 @@ log = logging.getLogger("loom")
 
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "layer.cpp")
+_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "moe.cpp",
+                 "layer.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +52,7 @@ _SIGNATURES = {
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "loom_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _I32],
+    "loom_moe_experts": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_argmax": [_P, _I64, _I64, _I64, _P, _I32],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],

@@ -1,19 +1,23 @@
 """The experts of a sparse MoE block on CPU over packed copies of their weights (kernels/cpu_linear.py).
 
 fused_moe_ref's loop - per expert that received tokens: gather its tokens, gate|up GEMM, SiLU-and-mul, down GEMM,
-scale by the routing weight, add into float32 sums in expert order - with each expert's GEMMs on panels packed
-once instead of torch's matmul, which re-packs the weight at every call (a decode step's few tokens per expert:
-24 layers of 8 experts (hidden 576, 2 x 768), 32 tokens, top-2, the project's 2-core EPYC: 144 -> 57 ms on one
-thread, 103 -> 43-51 on two). Float32 only; the same sums in the same order, so within rounding of the reference.
+scale by the routing weight, add into float32 sums in expert order - in one C++ call (kernels/csrc/moe.cpp), each
+expert's GEMMs on panels packed once instead of torch's matmul, which re-packs the weight at every call (a decode
+step's few tokens per expert: 24 layers of 8 experts (hidden 576, 2 x 768), 32 tokens, top-2, the project's 2-core
+EPYC: 144 -> 57 ms on one thread, 103 -> 43-51 on two, with the loop still in Python). Float32 only; the same sums
+in the same order, so within rounding of the reference.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from loom.kernels.cpu_linear import PackedWeight
-from loom.kernels.cpu_pointwise import silu_and_mul_cpu
+from loom.kernels import cpu_ext
+from loom.kernels.cpu_linear import BLOCK_ABOVE_BYTES, PackedWeight, row_block
 from loom.kernels.dispatch import fused_moe, use_triton
-from loom.kernels.moe import expert_pairs
+
+_ANY = 1 << 40  # rows enough for row_block to give its block size (the kernel applies BLOCK_ABOVE_BYTES per expert)
 
 
 class PackedExperts:
@@ -30,6 +34,10 @@ class PackedExperts:
         E = w13.shape[0]
         self.gate_up = [PackedWeight(w13[e], out=views[e]) for e in range(E)]
         self.down = [PackedWeight(w2[e], out=views[E + e]) for e in range(E)]
+        self.lib = self.gate_up[0].lib
+        pointers = ctypes.c_void_p * E
+        self._p13 = pointers(*(p.panels.data_ptr() for p in self.gate_up))
+        self._p2 = pointers(*(p.panels.data_ptr() for p in self.down))
 
     @staticmethod
     def numel(w13_shape: tuple, w2_shape: tuple) -> int:
@@ -37,11 +45,15 @@ class PackedExperts:
         return E * (PackedWeight.panels_numel(two_i, H) + PackedWeight.panels_numel(*w2_shape[1:]))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or use_triton(x) or x.dtype != torch.float32:
+        if torch.compiler.is_compiling() or use_triton(x) or not cpu_ext.usable(x) or x.dim() != 2:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
-        acc = torch.zeros(x.shape, dtype=torch.float32)
-        tw = topk_weights.reshape(-1).float()
-        for e, pairs, tok in expert_pairs(topk_ids, len(self.gate_up)):
-            h = silu_and_mul_cpu(self.gate_up[e](x.index_select(0, tok)))
-            acc.index_add_(0, tok, self.down[e](h) * tw[pairs, None])
-        return acc
+        x = x.contiguous()
+        w = cpu_ext.contiguous(topk_weights, torch.float32)
+        ids = cpu_ext.contiguous(topk_ids, torch.int64)
+        (T, H), (E, two_i, _), K = x.shape, self.w13.shape, ids.shape[1]
+        out = torch.empty((T, H), dtype=torch.float32)
+        if T:
+            self.lib.loom_moe_experts(x.data_ptr(), T, H, two_i // 2, E, self._p13, self._p2, w.data_ptr(),
+                                      ids.data_ptr(), K, out.data_ptr(), BLOCK_ABOVE_BYTES, row_block(_ANY, H),
+                                      row_block(_ANY, two_i // 2), cpu_ext.nthreads())
+        return out

@@ -163,7 +163,7 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, block_m=None)
     return torch.sum(per_pair.view(T, K, H), dim=1, out=out)
 
 
-def expert_pairs(topk_ids: torch.Tensor, E: int):
+def _expert_pairs(topk_ids: torch.Tensor, E: int):
     """(expert, pair ids, token ids) for each expert that received tokens; pair id = token * K + k."""
     K = topk_ids.shape[1]
     ids = topk_ids.reshape(-1).long()
@@ -189,7 +189,7 @@ def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, out=None):
     E, two_i, _ = w13.shape
     acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)  # sums over K in float32
     tw = topk_weights.reshape(-1).float()
-    for e, pairs, tok in expert_pairs(topk_ids, E):
+    for e, pairs, tok in _expert_pairs(topk_ids, E):
         h = _silu_mul(x.index_select(0, tok) @ w13[e].t(), two_i // 2)
         acc.index_add_(0, tok, (h @ w2[e].t()).float() * tw[pairs, None])
     if out is None:
@@ -223,7 +223,7 @@ def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None)
     acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     groups = _token_groups(meta, T, x.device) if T else []
     tw = topk_weights.reshape(-1).float()
-    for e, pairs, tok in expert_pairs(topk_ids, E):
+    for e, pairs, tok in _expert_pairs(topk_ids, E):
         xe = x.index_select(0, tok)
         gu = xe @ w13[e].t()  # [n, 2I]
         sel = [(g, m[tok].nonzero().squeeze(1)) for g, m in groups]

@@ -128,6 +128,25 @@ def test_packed_experts_vs_ref(case, monkeypatch):
         assert_close(runs[0], ref, torch.float32, "packed experts vs ref")
 
 
+@pytest.mark.parametrize("T,E,K,H,I,kind", [(400, 4, 2, 200, 80, "random"), (400, 8, 2, 200, 80, "one"),
+                                             (6000, 2, 1, 384, 80, "random")])
+def test_packed_experts_large_batches(T, E, K, H, I, kind, monkeypatch):
+    """Prefill-sized batches: an expert's rows gathered and added in parallel (both k slots of a token on one expert
+    included), and x above the GEMM's row-block threshold: the same bits on 1, 2 and 3 threads, the reference's
+    result."""
+    from loom.kernels import cpu_ext
+    from loom.kernels.cpu_moe import PackedExperts
+
+    x, w13, w2, tw, ids = make_inputs(T, E, K, H, I, kind, torch.float32, 8)
+    experts = PackedExperts(w13, w2)
+    runs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(cpu_ext, "nthreads", lambda threads=threads: threads)
+        runs.append(experts(x, tw, ids))
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    assert_close(runs[0], fused_moe_ref(x, w13, w2, tw, ids), torch.float32, "packed experts vs ref")
+
+
 @pytest.mark.parametrize("kind,E,K,block_m", [("random", 64, 8, 16), ("skip", 8, 2, 32), ("one", 8, 1, 16),
                                               ("skewed", 8, 2, 64), ("random", 1, 1, 16)])
 def test_align(kind, E, K, block_m):
