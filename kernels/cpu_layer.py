@@ -32,7 +32,7 @@ class _Layer(ctypes.Structure):
                 ("head_dim", _I64), ("inter", _I64), ("cos_sin", _P), ("k_cache", _P), ("v_cache", _P),
                 ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32), ("q_norm", _P),
                 ("k_norm", _P), ("qk_eps", _F32), ("rotary_dim", _I64), ("norm_post_attn", _P), ("norm_post_ff", _P),
-                ("gelu", _I64)]
+                ("gelu", _I64), ("attn_only", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -57,6 +57,7 @@ class LayerArgs:
     def __init__(self, lib, struct: _Layer, keep: list, hidden: int, q_size: int, inter: int):
         self.lib, self.struct, self.keep = lib, struct, keep  # keep: tensors only the struct points to
         self.hidden, self.q_size, self.inter = hidden, q_size, inter
+        self.attn_only = bool(struct.attn_only)  # a MoE layer: the call stops at its block's input
 
     def workspace_floats(self, T: int) -> int:
         return self.lib.loom_decoder_layer_workspace(ctypes.byref(self.struct), T)
@@ -67,7 +68,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
                window: Optional[int], softcap: Optional[float], qk_norms: Optional[tuple] = None,
                rotary_dim: Optional[int] = None, output_norms: Optional[tuple] = None,
                gelu: bool = False) -> Optional[LayerArgs]:
-    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down;
+    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down, or of
+    q|k|v and o only (a MoE layer: the call stops at the MLP's input, x_out);
     norm_post: the norm before the MLP; qk_norms: (q weight, k weight, eps) of per-head norms before rope (Qwen3,
     Gemma 3); rotary_dim: the dims of each head rope turns (head_dim when None); output_norms: (attention output,
     MLP output) norm weights (Gemma); gelu: the MLP's activation is GELU-tanh, not SiLU. Norm weights as the kernel
@@ -89,11 +91,13 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
         structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
                                0 if a is None else a.shape[0], 0 if a is None else a.shape[1], o.data_ptr()))
     window, cap = attention_options(window, softcap)
-    hidden, inter = linears[0][0].in_features, linears[3][0].in_features
+    attn_only = len(linears) == 2
+    hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
+    structs += [_Linear()] * (4 - len(structs))
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
                     cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap,
                     _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
-                    int(gelu))
+                    int(gelu), int(attn_only))
     keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
 
@@ -126,7 +130,7 @@ class StepArgs:
                             0 if pre_sl is None else pre_sl.shape[0], _ptr(pre_cu), _ptr(pre_sl), _ptr(pre_bt),
                             0 if pre_bt is None else pre_bt.shape[1], PREFILL_TILE, _ptr(tok), _ptr(seg), _ptr(rows),
                             _ptr(ranks), _ptr(scal), groups, cpu_lora.FUSE_MIN_TOKENS, mask, row_block(T, hidden),
-                            row_block(T, q_size), row_block(T, inter), cpu_ext.nthreads())
+                            row_block(T, q_size), row_block(T, inter) if inter else 0, cpu_ext.nthreads())
         self.T = T
 
 

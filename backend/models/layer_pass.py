@@ -1,10 +1,11 @@
 """On CPU, each Llama-class decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
 The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
-takes it when it is a Llama-class or Gemma decoder layer with a dense MLP (Llama, Mistral, Qwen2, Qwen3's per-head
-q/k norms, Phi-3's partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels
-read; MoE layers, and every step the kernels would not take, run their Python path. Both give the same bits: the
-C++ layer calls the same kernels with the same arguments.
+takes it when it is a Llama-class or Gemma decoder layer (Llama, Mistral, Qwen2, Qwen3's per-head q/k norms, Phi-3's
+partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels read; in a MoE
+layer (Mixtral, Qwen3-MoE) the call stops at the MLP's input and the block runs after it. Every step the kernels
+would not take runs the Python path. Both give the same bits: the C++ layer calls the same kernels with the same
+arguments.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
 from loom.kernels.dispatch import use_triton
 from loom.layers.forward_context import get_forward_context
+from loom.layers.moe import SparseMoeBlock
 from loom.layers.norm import RMSNorm
 from loom.models.gemma import GemmaDecoderLayer
 from loom.models.llama import MLP, LlamaDecoderLayer
@@ -23,8 +25,11 @@ from loom.models.llama import MLP, LlamaDecoderLayer
 _GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _linears(layer: LlamaDecoderLayer):
+def _linears(layer: LlamaDecoderLayer) -> tuple:
+    """q|k|v, o, and the dense MLP's gate|up and down (none for a MoE block)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is SparseMoeBlock:
+        return attn.qkv_proj, attn.o_proj
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
@@ -37,8 +42,11 @@ def _norms(layer) -> tuple:
 
 
 def _eligible(layer) -> bool:
-    if type(layer) not in (LlamaDecoderLayer, GemmaDecoderLayer) or type(layer.mlp) is not MLP \
-            or layer.mlp.act_and_mul not in (silu_and_mul, gelu_tanh_and_mul):
+    if type(layer) not in (LlamaDecoderLayer, GemmaDecoderLayer):
+        return False
+    mlp = layer.mlp
+    if not (type(mlp) is MLP and mlp.act_and_mul in (silu_and_mul, gelu_tanh_and_mul)
+            or type(mlp) is SparseMoeBlock and type(layer) is LlamaDecoderLayer):
         return False
     attn, norms = layer.self_attn, _norms(layer)
     if any(n is not None and n.eps != norms[0].eps for n in norms):  # the C++ layer takes one eps
@@ -78,7 +86,7 @@ def _layer_args(layer) -> Optional[LayerArgs]:
                       attn.head_dim, attn.rotary.cos_sin_cache, att.k_cache, att.v_cache, att.scale,
                       att.sliding_window, att.softcap, qk, attn.rotary.rotary_dim,
                       None if n_attn is None else (_weight(n_attn), _weight(n_out)),
-                      layer.mlp.act_and_mul is gelu_tanh_and_mul)
+                      getattr(layer.mlp, "act_and_mul", None) is gelu_tanh_and_mul)
 
 
 def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:
@@ -91,8 +99,7 @@ class LayerPass:
         self._holders: dict[int, Optional[tuple]] = {}
         self._layers: dict[int, tuple[tuple, Optional[LayerArgs]]] = {}
         self._ctx = None  # the forward context the step state below was made for
-        self._step: Optional[StepArgs] = None
-        self._dims: tuple = ()
+        self._steps: dict[tuple, Optional[StepArgs]] = {}  # by the layer's dims (dense and MoE layers differ)
         self._buffers: tuple = ()
         # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse (engine/cpu.py);
         # allocated every step it would be mapped and zeroed afresh
@@ -106,10 +113,13 @@ class LayerPass:
         step = self._step_for(args, positions, x.shape[0])
         if step is None:
             return layer(positions, x, residual)
-        ws, pairs = self._buffers
-        a, b = pairs
-        out_x, out_res = a if x is not a[0] and residual is not a[1] else b  # never the pair being read
+        ws, (a, b) = self._buffers
+        # never the pair being read (by address: the views are made again when the buffers grow)
+        reads_a = x.data_ptr() == a[0].data_ptr() or (residual is not None and residual.data_ptr() == a[1].data_ptr())
+        out_x, out_res = b if reads_a else a
         decoder_layer(args, step, x, residual, ws, out_x, out_res)
+        if args.attn_only:  # a MoE layer: out_x is its block's input
+            return layer.mlp(out_x), out_res
         return out_x, out_res
 
     def _args(self, layer) -> Optional[LayerArgs]:
@@ -127,10 +137,15 @@ class LayerPass:
 
     def _step_for(self, args: LayerArgs, positions: torch.Tensor, T: int) -> Optional[StepArgs]:
         ctx = get_forward_context()
+        if ctx is not self._ctx:
+            self._ctx, self._steps = ctx, {}
         dims = (args.hidden, args.q_size, args.inter)
-        if ctx is self._ctx and dims == self._dims:
-            return self._step
-        self._ctx, self._dims, self._step = ctx, dims, None
+        step = self._steps.get(dims, False)
+        if step is False:
+            step = self._steps[dims] = self._make_step(args, ctx, positions, T)
+        return step
+
+    def _make_step(self, args: LayerArgs, ctx, positions: torch.Tensor, T: int) -> Optional[StepArgs]:
         if use_triton(positions):  # LOOM_FORCE_TRITON: every kernel runs its Triton version (parity tests)
             return None
         slots = ctx.slot_mapping
@@ -141,8 +156,8 @@ class LayerPass:
         # the linears adapters of this step target (each applies them only where it has pools)
         groups = tuple(lora is not None and (lora.module_groups is None or name in lora.module_groups)
                        for name in _GROUPS)
-        self._step = StepArgs(T, positions, slots, ctx.num_decode_seqs, ctx.decode, ctx.prefill, lora, groups,
-                              args.hidden, args.q_size, args.inter)
+        step = StepArgs(T, positions, slots, ctx.num_decode_seqs, ctx.decode, ctx.prefill, lora, groups,
+                        args.hidden, args.q_size, args.inter)
         n, rows = args.workspace_floats(T), T * args.hidden
         if self._ws.numel() < n:
             self._ws = torch.empty(n)
@@ -150,4 +165,4 @@ class LayerPass:
             self._row_buf = torch.empty(4 * rows)
         x0, r0, x1, r1 = (self._row_buf[i * rows:(i + 1) * rows].view(T, args.hidden) for i in range(4))
         self._buffers = (self._ws, ((x0, r0), (x1, r1)))
-        return self._step
+        return step

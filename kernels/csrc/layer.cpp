@@ -6,7 +6,8 @@
 //   [q, k = rms_norm per head (Qwen3)] ; rope(q, k) on the first rotary_dim dims of each head
 //   store k, v ; attention (decodes, then prefills) ; o = att @ Wo (+ LoRA) ; [o = rms_norm(o) (Gemma)]
 //   h2, r2 = rms_norm(o + r) ; x_out = act_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; [x_out = rms_norm(x_out)
-//   (Gemma)] ; res_out = r2 ; act: SiLU, or GELU's tanh approximation (Gemma)
+//   (Gemma)] ; res_out = r2 ; act: SiLU, or GELU's tanh approximation (Gemma). A MoE layer stops at h2 (its block
+//   runs in Python after the call).
 
 namespace {
 
@@ -41,6 +42,7 @@ struct LoomLayer {
   const float* norm_post_attn;  // Gemma: the attention's and the MLP's outputs normalised (else null)
   const float* norm_post_ff;
   int64_t gelu;          // the MLP's activation: GELU-tanh (else SiLU)
+  int64_t attn_only;     // no dense MLP (a MoE layer): x_out gets the MLP's input, the caller runs the block
 };
 
 // What every layer of one step shares: the batch, its attention metadata, its LoRA groups.
@@ -130,6 +132,10 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
   layer_linear(L->o, st.lora_mask & 2, st, att, q_n, st.mc_q, o);
   if (L->norm_post_attn)  // in place; h2 (written next) takes res_out
     loom_rms_norm(o, Hd, nullptr, 0, L->norm_post_attn, L->eps, o, Hd, h2, Hd, T, Hd, st.nthreads);
+  if (L->attn_only) {
+    loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, x_out, Hd, res_out, Hd, T, Hd, st.nthreads);
+    return;
+  }
   loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
   layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu);
   (L->gelu ? loom_gelu_tanh_mul : loom_silu_mul)(gu, 2 * I, act, T, I, st.nthreads);

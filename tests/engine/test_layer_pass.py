@@ -17,15 +17,17 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # families whose layers the pass takes (rope scaling, windows, q/k/v biases, q/k norms, partial rotary, Gemma's norms,
-# soft-capping and GELU) and not (MoE)
+# soft-capping and GELU; MoE layers up to their block's input)
 TAKEN = {"llama": True, "mistral": True, "qwen2": True, "qwen3": True, "phi3": True, "gemma2": True, "gemma3": True,
-         "mixtral": False}
+         "mixtral": True, "qwen3_moe": True}
 
 
 @pytest.fixture(scope="module", params=sorted(TAKEN))
 def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"layerpass-{request.param}")
-    _, path = make_hf_model(request.param, root, bias_std=0.5)
+    # Qwen3-MoE with a dense layer among the MoE ones: layers of two kinds (and sizes) in one step
+    extra = {"mlp_only_layers": [1]} if request.param == "qwen3_moe" else {}
+    _, path = make_hf_model(request.param, root, bias_std=0.5, **extra)
     adapters = root / "adapters"
     every = ATTN + ([] if request.param in MOE_FAMILIES else MLP)  # MoE experts are not modules
     some = ["q_proj", "v_proj"]
