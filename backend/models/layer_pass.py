@@ -25,7 +25,7 @@ from loom.models.llama import MLP, LlamaDecoderLayer
 _GROUPS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _linears(layer: LlamaDecoderLayer) -> tuple:
+def _linears(layer) -> tuple:
     """q|k|v, o, and the dense MLP's gate|up and down (none for a MoE block)."""
     attn, mlp = layer.self_attn, layer.mlp
     if type(mlp) is SparseMoeBlock:
