@@ -317,6 +317,36 @@ def test_streamer_coalesces_while_send_in_flight():
     assert sent[-1].finished and sent[-1].token_ids == list(range(1, 10))
 
 
+def test_streamer_sends_a_first_response_before_queued_later_ones():
+    """A stream's first response overtakes the later responses of other streams already queued (time to first
+    token at many streams); each stream's own responses stay in order and every delta arrives."""
+    order: list[tuple[str, str]] = []
+    gate, entered = threading.Event(), threading.Event()
+
+    def send(ctx, ds):
+        if ctx == "block":
+            entered.set()
+            gate.wait(5)
+        order.append((ctx, "".join(d.text for d in ds)))
+
+    s = ResponseStreamer(send)
+    a, b, c = (s.open(name, stream=True) for name in "ABC")
+    a(RequestDelta("A", text="1"))
+    b(RequestDelta("B", text="1"))  # A and B have a response out ...
+    for _ in range(500):
+        if len(order) == 2:
+            break
+        time.sleep(0.01)
+    s.open("block", stream=True)(RequestDelta("k", text="x"))  # ... then the only sender thread is held
+    assert entered.wait(5)
+    a(RequestDelta("A", text="2"))  # later responses queue first,
+    b(RequestDelta("B", text="2"))
+    c(RequestDelta("C", text="1"))  # then a new stream's first
+    gate.set()
+    s.close()
+    assert order == [("A", "1"), ("B", "1"), ("block", "x"), ("C", "1"), ("A", "2"), ("B", "2")]
+
+
 def test_streamer_non_stream_sends_once():
     sent = []
     s = ResponseStreamer(lambda ctx, ds: sent.append((ctx, ds[0])), num_threads=2)
