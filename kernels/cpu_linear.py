@@ -81,10 +81,15 @@ def panel_width() -> int:
     return _packed_lib().loom_gemm_panel_width()
 
 
+def block_rows(k: int) -> int:
+    """Rows of x [., k] float32 per block once it is blocked at all (0: blocks would be too thin to pay)."""
+    rows = ROW_BLOCK_BYTES // (4 * k)
+    return rows if rows >= MIN_BLOCK_ROWS else 0
+
+
 def row_block(m: int, k: int) -> int:
     """Rows per block of the GEMM over x [m, k] float32 (0: one block); the result does not depend on it."""
-    rows = ROW_BLOCK_BYTES // (4 * k)
-    return rows if m * k * 4 > BLOCK_ABOVE_BYTES and rows >= MIN_BLOCK_ROWS else 0
+    return block_rows(k) if m * k * 4 > BLOCK_ABOVE_BYTES else 0
 
 
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],

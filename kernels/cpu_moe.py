@@ -15,10 +15,8 @@ import ctypes
 import torch
 
 from loom.kernels import cpu_ext
-from loom.kernels.cpu_linear import BLOCK_ABOVE_BYTES, PackedWeight, row_block
+from loom.kernels.cpu_linear import BLOCK_ABOVE_BYTES, PackedWeight, block_rows
 from loom.kernels.dispatch import fused_moe, use_triton
-
-_ANY = 1 << 40  # rows enough for row_block to give its block size (the kernel applies BLOCK_ABOVE_BYTES per expert)
 
 
 class PackedExperts:
@@ -55,6 +53,6 @@ class PackedExperts:
         out = torch.empty((T, H), dtype=torch.float32)
         if T:
             self.lib.loom_moe_experts(x.data_ptr(), T, H, two_i // 2, E, self._p13, self._p2, w.data_ptr(),
-                                      ids.data_ptr(), K, out.data_ptr(), BLOCK_ABOVE_BYTES, row_block(_ANY, H),
-                                      row_block(_ANY, two_i // 2), cpu_ext.nthreads())
+                                      ids.data_ptr(), K, out.data_ptr(), BLOCK_ABOVE_BYTES, block_rows(H),
+                                      block_rows(two_i // 2), cpu_ext.nthreads())
         return out

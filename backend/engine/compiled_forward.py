@@ -75,7 +75,7 @@ def build_forward(runner) -> EagerForward | CompiledForward:
         if not config.cpu_compile and hasattr(decoder, "layer_pass"):
             from loom.models.layer_pass import LayerPass
 
-            decoder.layer_pass = LayerPass()  # each Llama-class layer in one C++ call
+            decoder.layer_pass = LayerPass()  # each decoder layer in one C++ call
     return CompiledForward(model) if config.cpu_compile else EagerForward(model)
 
 

@@ -18,7 +18,10 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
+    def scale(self) -> torch.Tensor:
+        """What the kernel multiplies the normalised rows by: w, or Gemma's 1 + w in float32."""
+        return self.weight.float() + 1.0 if self.offset else self.weight
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (rmsnorm(x + residual), x + residual); without a residual the second is x itself."""
-        w = self.weight.float() + 1.0 if self.offset else self.weight
-        return fused_add_rms_norm(x, residual, w, self.eps)
+        return fused_add_rms_norm(x, residual, self.scale(), self.eps)

@@ -1,4 +1,4 @@
-"""On CPU, each Llama-class decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
+"""On CPU, each decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
 The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
 takes it when it is a Llama-class or Gemma decoder layer (Llama, Mistral, Qwen2, Qwen3's per-head q/k norms, Phi-3's
@@ -57,10 +57,8 @@ def _eligible(layer) -> bool:
 
 
 def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
-    """What the norm's kernel multiplies by, as RMSNorm.forward computes it (Gemma's 1 + w); made once here."""
-    if norm is None:
-        return None
-    return norm.weight.float() + 1.0 if norm.offset else norm.weight
+    """The norm's scale (Gemma's 1 + w made once here, not per call), or None."""
+    return None if norm is None else norm.scale()
 
 
 def _holders(layer) -> tuple:

@@ -1,6 +1,6 @@
-// ---- one decoder layer of a Llama-class or Gemma model in one call (kernels/cpu_layer.py): the same kernel calls, with the
-// same arguments and in the same order, as the Python layer path makes one by one (so the same bits), without the
-// ~115 us of Python around them a layer, during which the other compute threads only wait.
+// ---- one decoder layer of a Llama-class or Gemma model in one call (kernels/cpu_layer.py): the same kernel calls,
+// with the same arguments and in the same order, as the Python layer path makes one by one (so the same bits), without
+// the ~115 us of Python around them a layer, during which the other compute threads only wait.
 //
 //   h, r = rms_norm(x + residual) ; qkv = h @ Wqkv (+ LoRA) ; q, k, v = contiguous copies
 //   [q, k = rms_norm per head (Qwen3)] ; rope(q, k) on the first rotary_dim dims of each head

@@ -7,7 +7,7 @@ extern "C" {
 
 // x [T, H]; p13[e] / p2[e]: expert e's packed gate|up [2I, H] and down [H, I] panels; topk_w [T, K] float32,
 // topk_ids [T, K] int64; out [T, H] float32 (overwritten). An expert's x rows above block_above bytes go through its
-// GEMMs in blocks of mc13 / mc2 rows (kernels/cpu_linear.py's row_block; the result does not depend on it).
+// GEMMs in blocks of mc13 / mc2 rows (kernels/cpu_linear.py's row_block, per expert; the result does not depend on it).
 void loom_moe_experts(const float* x, int64_t T, int64_t H, int64_t I, int64_t E, const float* const* p13,
                       const float* const* p2, const float* topk_w, const int64_t* topk_ids, int64_t K, float* out,
                       int64_t block_above, int64_t mc13, int64_t mc2, int nthreads) {
