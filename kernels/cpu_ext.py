@@ -4,8 +4,9 @@ GEMM of linear layers over weights packed once into register-tile panels, and th
 Plain C++ with a C ABI (no torch headers: it builds in seconds), compiled once per machine with the system
 compiler into a per-user cache folder (never the repository) keyed by a hash of the source, flags and compiler
 (concurrent first builds take turns on a lock file; the library appears by atomic rename), and called through ctypes
-(which releases the GIL). Float32 only. AVX2/FMA intrinsics when the CPU has them (exp: the Cephes
-polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has that too; plain loops otherwise. Parallel with
+(which releases the GIL). Float32 activations and weights (adapter pools also bfloat16 / float16). AVX2/FMA/F16C
+intrinsics when the CPU has them (exp: the Cephes polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has
+that too; plain loops otherwise. Parallel with
 OpenMP over independent work items, with torch's thread count; the library links libgomp.so.1, which resolves to
 the copy torch already loaded, so both share one thread pool. `load()` returns None when there is no compiler or
 the build fails: the callers then run the PyTorch references. The C++ lives in kernels/csrc/ (one file per kind
@@ -46,7 +47,7 @@ _SIGNATURES = {
                           _F32, _I64, _F32, _I32],
     "loom_paged_prefill": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _I64,
                            _F32, _I64, _F32, _I64, _I32],
-    "loom_lora_apply": [_P, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32],
+    "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32],
     "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
@@ -57,17 +58,17 @@ _SIGNATURES = {
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],
-    "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
-    "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64,
-                       _I64, _I64, _I32],
+    "loom_lora_shrink": [_P, _I64, _P, _I32, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
+    "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
+                       _I64, _I64, _I64, _I32],
     "loom_decoder_layer_workspace": [_P, _I64],
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P],
 }
 
 
 # instruction sets the kernels are built for, widest first: (name, the CPU flags it needs, compiler flags)
-ISAS = (("AVX-512", ("avx512f", "avx2", "fma"), ("-mavx2", "-mfma", "-mavx512f")),
-        ("AVX2", ("avx2", "fma"), ("-mavx2", "-mfma")))
+ISAS = (("AVX-512", ("avx512f", "avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mavx512f")),
+        ("AVX2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")))
 
 _RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64}  # the others return nothing
 
@@ -194,6 +195,18 @@ def usable(*tensors: torch.Tensor) -> bool:
         if not (t.is_cpu and t.dtype == torch.float32):  # is_cpu: no device object made per call
             return False
     return True
+
+
+# element types of adapter pools the LoRA kernels read (lora_dtype), as their type code (common.h with_type)
+ADAPTER_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def adapter_type(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The type code of a pair of adapter pools the C++ LoRA kernels read (CPU, one element type of ADAPTER_TYPES,
+    contiguous), else None."""
+    if a.is_cpu and b.is_cpu and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous():
+        return ADAPTER_TYPES.get(a.dtype)
+    return None
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

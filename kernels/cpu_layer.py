@@ -22,8 +22,8 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("panels", _P), ("N", _I64), ("bias", _P), ("lora_a", _P), ("lora_b", _P), ("S", _I64), ("R", _I64),
-                ("offs", _P)]
+    _fields_ = [("panels", _P), ("N", _I64), ("bias", _P), ("lora_a", _P), ("lora_b", _P), ("dt", _I64), ("S", _I64),
+                ("R", _I64), ("offs", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -75,7 +75,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     MLP output) norm weights (Gemma); gelu: the MLP's activation is GELU-tanh, not SiLU. Norm weights as the kernel
     multiplies by (Gemma's 1 + w already added). None when a tensor is not what the kernels read (the layer then
     runs its Python path)."""
-    if not all(isinstance(p, PackedWeight) and _f32(p.bias, a, b) for p, a, b, _ in linears):
+    if not all(isinstance(p, PackedWeight) and _f32(p.bias) and (a is None or cpu_ext.adapter_type(a, b) is not None)
+               for p, a, b, _ in linears):
         return None
     lib = linears[0][0].lib
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
@@ -89,7 +90,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
         o = cpu_lora.offsets_tensor(tuple(offs))
         keep.append(o)
         structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
-                               0 if a is None else a.shape[0], 0 if a is None else a.shape[1], o.data_ptr()))
+                               0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
+                               0 if a is None else a.shape[1], o.data_ptr()))
     window, cap = attention_options(window, softcap)
     attn_only = len(linears) == 2
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features

@@ -36,11 +36,11 @@ def offsets_tensor(slice_offsets: tuple[int, ...]) -> torch.Tensor:
 
 
 def _takes(lib, x, lora_a, lora_b, y=None) -> bool:
-    """Whether the C++ LoRA kernels take these tensors (float32 CPU, rows of x and of y contiguous, pools
-    contiguous)."""
-    return (lib is not None and cpu_ext.usable(x, lora_a, lora_b) and x.stride(-1) == 1
+    """Whether the C++ LoRA kernels take these tensors (x and y float32 CPU with contiguous rows, pools contiguous
+    of an element type cpu_ext.ADAPTER_TYPES lists)."""
+    return (lib is not None and cpu_ext.usable(x) and x.stride(-1) == 1
             and (y is None or (cpu_ext.usable(y) and y.stride(-1) == 1))
-            and lora_a.is_contiguous() and lora_b.is_contiguous())
+            and cpu_ext.adapter_type(lora_a, lora_b) is not None)
 
 
 def group_arrays(meta) -> tuple:
@@ -70,9 +70,10 @@ def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):
         return y
     offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
-    lib.loom_lora_apply(x.data_ptr(), x.stride(0), lora_a.data_ptr(), S, R, K, lora_b.data_ptr(), lora_b.shape[1],
-                        offs.data_ptr(), y.data_ptr(), y.stride(0), tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
-                        ranks.data_ptr(), scal.data_ptr(), meta.num_groups, cpu_ext.nthreads())
+    lib.loom_lora_apply(x.data_ptr(), x.stride(0), lora_a.data_ptr(), cpu_ext.ADAPTER_TYPES[lora_a.dtype], S, R, K,
+                        lora_b.data_ptr(), lora_b.shape[1], offs.data_ptr(), y.data_ptr(), y.stride(0), tok.data_ptr(),
+                        seg.data_ptr(), rows.data_ptr(), ranks.data_ptr(), scal.data_ptr(), meta.num_groups,
+                        cpu_ext.nthreads())
     return y
 
 
@@ -92,8 +93,8 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
     T = x2.shape[0]
     y = torch.empty((T, out_features), dtype=torch.float32)
     lib.loom_gemm_lora(x2.data_ptr(), x2.stride(0), T, K, panels.data_ptr(), out_features,
-                       None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(), R,
-                       lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(), seg.data_ptr(), rows.data_ptr(),
-                       ranks.data_ptr(), scal.data_ptr(), meta.num_groups, FUSE_MIN_TOKENS, row_block(T, K),
-                       cpu_ext.nthreads())
+                       None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0), lora_a.data_ptr(),
+                       cpu_ext.ADAPTER_TYPES[lora_a.dtype], R, lora_b.data_ptr(), offs.data_ptr(), S, tok.data_ptr(),
+                       seg.data_ptr(), rows.data_ptr(), ranks.data_ptr(), scal.data_ptr(), meta.num_groups,
+                       FUSE_MIN_TOKENS, row_block(T, K), cpu_ext.nthreads())
     return y if flat else y.view(*shape[:-1], out_features)

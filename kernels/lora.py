@@ -9,6 +9,9 @@ are in no group and cost nothing. All output slices (q/k/v or gate/up) are done 
 shrink: buf[s, i, r] = x[token_indices[i]] . lora_a[s, row_start[g] + r]          (r < ranks[g])
 expand: y[token_indices[i], off_s:off_{s+1}] += scalings[g] * buf[s, i, :rank] @ lora_b[rows, off_s:off_{s+1}]
 buf is float32 (it is tiny, and keeps the rank-space product exact across the two launches).
+Pools of a narrower float type than the activations (lora_dtype bfloat16 under a float32 model) are widened to the
+activations' type where they are read: the result is the one a pool of the activations' type holding the same
+values gives.
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def _expand_kernel(
     cols = c0 + nt * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < c1
     rr = tl.arange(0, BLOCK_R)
-    b_dtype = b_ptr.dtype.element_ty
+    c_dtype = y_ptr.dtype.element_ty  # B widened to the activations' type (a 16-bit pool under float32)
     buf_rows = buf_ptr + sl.to(tl.int64) * stride_bs + (seg0 + i).to(tl.int64)[:, None] * stride_bt
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # stops at this adapter's own rank
@@ -103,7 +106,7 @@ def _expand_kernel(
         bt = tl.load(buf_rows + (r0 + rr)[None, :], mask=imask[:, None] & rmask[None, :], other=0.0)
         wt = tl.load(b_ptr + (row0 + r0 + rr).to(tl.int64)[:, None] * stride_br + cols[None, :],
                      mask=rmask[:, None] & cmask[None, :], other=0.0)
-        acc += tl.dot(bt.to(b_dtype), wt, input_precision=DOT_PREC)
+        acc += tl.dot(bt.to(c_dtype), wt.to(c_dtype), input_precision=DOT_PREC)
     yp = y_ptr + tok[:, None] * stride_yt + cols[None, :]
     ymask = imask[:, None] & cmask[None, :]
     y = tl.load(yp, mask=ymask, other=0.0).to(tl.float32)
@@ -179,7 +182,7 @@ def lora_expand_triton(buf, lora_b, slice_offsets, meta, y):
         buf, lora_b, y, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings,
         buf.stride(0), buf.stride(1), lora_b.stride(0), y.stride(0), *offs,
         n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
-        DOT_PREC=_dot_precision(lora_b.dtype),
+        DOT_PREC=_dot_precision(y.dtype),
     )
     return y
 
@@ -238,8 +241,8 @@ def _dense_span(meta):
 def _shrink_dense(x, lora_a, meta, out, span):
     lo, hi, rows, valid, _ = span
     tok = _tokens(meta)
-    xs = x[tok].to(lora_a.dtype)  # [T, in]
-    full = torch.matmul(xs, lora_a[:, lo:hi].transpose(1, 2)).float()  # [S, T, span]
+    xs = x[tok]  # [T, in]
+    full = torch.matmul(xs, lora_a[:, lo:hi].to(xs.dtype).transpose(1, 2)).float()  # [S, T, span]
     own = torch.gather(full, 2, rows[None].expand(full.shape[0], -1, -1))  # [S, T, r]
     out[:, :tok.numel()].copy_(own.masked_fill_(~valid[None], 0))
     return out
@@ -251,7 +254,7 @@ def _expand_dense(buf, lora_b, offs, meta, y, span):
     coef = buf[:S, :T, :meta.max_rank].float().masked_fill(~valid[None], 0) * scaling[None, :, None]
     dense = torch.zeros((S, T, hi - lo), dtype=torch.float32, device=y.device)
     dense.scatter_add_(2, rows[None].expand(S, -1, -1), coef)  # invalid slots add 0 at row 0
-    b = lora_b[lo:hi]
+    b = lora_b[lo:hi].to(y.dtype)
     delta = torch.empty((T, offs[-1]), dtype=torch.float32, device=y.device)
     for s in range(S):  # a loop over output slices (q/k/v), not over tokens or adapters
         delta[:, offs[s]:offs[s + 1]] = (dense[s].to(b.dtype) @ b[:, offs[s]:offs[s + 1]]).float()
@@ -269,7 +272,7 @@ def lora_shrink_ref(x, lora_a, meta, out=None, split_k=None):
         return _shrink_dense(x, lora_a, meta, out, span)
     for a, b, row, rank, _ in groups(meta):
         xs = x[meta.token_indices[a:b]]  # [n, in]
-        out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].transpose(1, 2)).float()  # [S, n, r]
+        out[:, a:b, :rank] = torch.matmul(xs, lora_a[:, row:row + rank].to(xs.dtype).transpose(1, 2)).float()
     return out
 
 
@@ -279,7 +282,7 @@ def lora_expand_ref(buf, lora_b, slice_offsets, meta, y):
     if span is not None:
         return _expand_dense(buf, lora_b, offs, meta, y, span)
     for a, b, row, rank, scaling in groups(meta):
-        w = lora_b[row:row + rank]  # [r, sum_out]
+        w = lora_b[row:row + rank].to(y.dtype)  # [r, sum_out]
         delta = torch.empty((b - a, offs[-1]), dtype=w.dtype, device=y.device)
         for s in range(len(offs) - 1):
             c0, c1 = offs[s], offs[s + 1]

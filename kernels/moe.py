@@ -213,7 +213,8 @@ def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None)
     """fused_moe_ref with per-expert LoRA on gate/up and down, for tokens grouped by adapter as in `lora_shrink`.
 
     lora = (a13 [E, 2, R, H], b13 [E, R, 2I], a2 [E, 1, R, I], b2 [E, R, H]): the pools of one layer; group g owns
-    rank rows [row_start[g], row_start[g] + ranks[g]) and its delta is scalings[g] * (x a^T) b, slice by slice.
+    rank rows [row_start[g], row_start[g] + ranks[g]) and its delta is scalings[g] * (x a^T) b, slice by slice (pools
+    of a narrower type widened to x's).
     No Triton version: steps with expert LoRA run this on every device.
     """
     a13, b13, a2, b2 = lora
@@ -232,13 +233,13 @@ def fused_moe_lora_ref(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None)
             r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
             xs = xe[rows]
             for si in range(2):
-                d = (xs @ a13[e, si, r0:r0 + rk].t()) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I]
+                d = (xs @ a13[e, si, r0:r0 + rk].to(x.dtype).t()) @ b13[e, r0:r0 + rk, si * I:(si + 1) * I].to(x.dtype)
                 gu[rows, si * I:(si + 1) * I] += s * d
         h = _silu_mul(gu, I)
         y = h @ w2[e].t()
         for g, rows in sel:
             r0, rk, s = meta.row_start_cpu[g], meta.ranks_cpu[g], meta.scalings_cpu[g]
-            y[rows] += s * ((h[rows] @ a2[e, 0, r0:r0 + rk].t()) @ b2[e, r0:r0 + rk])
+            y[rows] += s * ((h[rows] @ a2[e, 0, r0:r0 + rk].to(x.dtype).t()) @ b2[e, r0:r0 + rk].to(x.dtype))
         acc.index_add_(0, tok, y.float() * tw[pairs, None])
     if out is None:
         return acc.to(x.dtype)

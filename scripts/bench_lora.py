@@ -44,7 +44,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 SCENARIOS = ("no_lora", "one_adapter", "distinct_adapters")
 
 
-def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL) -> str:
+def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL, dtype: str = "float32") -> str:
     import torch
     from safetensors.torch import save_file
 
@@ -53,14 +53,14 @@ def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL) -> str:
     spec = LoraModelSpec.from_hf_config(hf_cfg)
     blocks = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-    g = torch.Generator().manual_seed(seed)
+    g, dt = torch.Generator().manual_seed(seed), getattr(torch, dtype)
     tensors = {}
     for layer in range(hf_cfg.num_hidden_layers):
         for proj in targets:
             in_f, out_f = spec.proj_shape(proj)
             pre = f"base_model.model.model.layers.{layer}.{blocks[proj]}.{proj}"
-            tensors[f"{pre}.lora_A.weight"] = torch.randn(r, in_f, generator=g) / in_f ** 0.5
-            tensors[f"{pre}.lora_B.weight"] = torch.randn(out_f, r, generator=g) * 0.01
+            tensors[f"{pre}.lora_A.weight"] = (torch.randn(r, in_f, generator=g) / in_f ** 0.5).to(dt)
+            tensors[f"{pre}.lora_B.weight"] = (torch.randn(out_f, r, generator=g) * 0.01).to(dt)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
@@ -94,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="eager", choices=("eager", "compiled"), help="loom's CPU forward")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--adapter-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the adapter files' dtype; loom keeps them in pools of that type (lora_dtype), vLLM widens "
+                         "them to the model's float32")
     ap.add_argument("--lora-memory-mb", type=int, default=1024,
                     help="loom's adapter pool; must hold every adapter of the run at once, as vLLM's max_loras does")
     ap.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
@@ -157,7 +160,7 @@ def report(results: dict, args) -> str:
     looms, vl = results["loom"], results.get("vllm") or {}  # looms: {compute threads (str): its results}
     n = args.requests
     lines = [f"{n} requests x {args.max_tokens} tokens, {args.prompt_len}-token random prompts, rank-{args.rank} "
-             f"adapters on all 7 projections, greedy, all at t0; loom {args.compile} with "
+             f"{args.adapter_dtype} adapters on all 7 projections, greedy, all at t0; loom {args.compile} with "
              f"{' and '.join(looms)} compute thread(s); best of {args.repeats}; other CPU s = other processes "
              "during the timed batches"]
     rows = []
@@ -281,7 +284,7 @@ def hot_load(args, llm, root, hf_cfg, prompts) -> dict:
     activate_s = time.perf_counter() - t
     reg.release(ref)
     # first use of a fresh name through a request (resolve-on-first-use): time to its first token
-    write_adapter(os.path.join(root, "hot2"), hf_cfg, seed=20_000, r=16)
+    write_adapter(os.path.join(root, "hot2"), hf_cfg, seed=20_000, r=16, dtype=args.adapter_dtype)
     t_req = time.perf_counter()
     eng.add_request("hot2req", prompts[0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), "hot2")
     itl_first_use = []
@@ -330,6 +333,7 @@ def run_loom(args, model: str, root: str, hf_cfg, prompts, threads: int, hot: bo
     t0 = time.perf_counter()
     llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
               lora_memory_bytes=args.lora_memory_mb << 20, max_num_seqs=max(n, 8), max_host_adapters=n + 8,
+              lora_dtype="auto" if args.adapter_dtype == "float32" else args.adapter_dtype,
               enable_prefix_caching=False, cpu_threads=threads, cpu_compile=args.compile == "compiled")
     startup = time.perf_counter() - t0
     eng, reg = llm.engine, llm.engine.adapters
@@ -377,13 +381,14 @@ def bench(args, root: str) -> None:
     n = args.requests
     t0 = time.perf_counter()
     for i in range(n):
-        write_adapter(os.path.join(root, f"ad{i}"), hf_cfg, seed=i, r=args.rank)
-    write_adapter(os.path.join(root, "hot"), hf_cfg, seed=10_000, r=16)
+        write_adapter(os.path.join(root, f"ad{i}"), hf_cfg, seed=i, r=args.rank, dtype=args.adapter_dtype)
+    write_adapter(os.path.join(root, "hot"), hf_cfg, seed=10_000, r=16, dtype=args.adapter_dtype)
     bc.progress(f"wrote {n + 1} rank-{args.rank} adapters in {time.perf_counter() - t0:.1f}s to {root}")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
     # one adapter's rows, every layer: what each request of the distinct run reads once per decode step
-    results: dict = {"loom": {}, "adapter_bytes": lora_cost(model_spec(hf_cfg.to_dict()), 1, args.rank)[2]}
+    results: dict = {"loom": {}, "adapter_bytes": lora_cost(model_spec(hf_cfg.to_dict()), 1, args.rank,
+                                                            getattr(torch, args.adapter_dtype))[2]}
     for i, threads in enumerate(dict.fromkeys(args.threads)):  # the hot load once, with the first engine
         results["loom"][str(threads)], load = run_loom(args, model, root, hf_cfg, prompts, threads,
                                                        hot=i == 0 and not args.no_hot_load)

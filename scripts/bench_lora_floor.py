@@ -16,6 +16,7 @@ after the GEMM that they add to (overlapping them with the GEMM was tried: see d
 
     python scripts/bench_lora_floor.py                       # default model, 32 tokens, rank 16, one thread
     python scripts/bench_lora_floor.py --tokens 64 --rank 8
+    python scripts/bench_lora_floor.py --pool-dtype bfloat16  # 16-bit pools: half the bytes to read
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pool-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="the adapter pools' element type (lora_dtype)")
     ap.add_argument("--json", default="", help="write the results here too")
     return ap.parse_args(argv)
 
@@ -68,16 +71,17 @@ def main(argv=None) -> int:
     spec = model_spec(config, args.layers)
     n_layers = spec.num_layers
     hb.progress(f"{model.name}: {n_layers} layers x {[g.name for g in spec.groups]}, {T} tokens, rank {r}, "
-                f"{G} adapters, {threads} thread(s)")
-    g = torch.Generator().manual_seed(0)
+                f"{G} adapters ({args.pool_dtype} pools), {threads} thread(s)")
+    g, pool_dtype = torch.Generator().manual_seed(0), getattr(torch, args.pool_dtype)
     layers = []
     pool_rows = r * G  # every adapter's rank rows, adapter i at rows [i * rank, (i + 1) * rank)
     for _ in range(n_layers):
         for grp in spec.groups:
             k_in, n_out = grp.in_features, grp.out_features
             layers.append((PackedWeight(torch.randn(n_out, k_in, generator=g) * 0.02),
-                           torch.randn(grp.num_slices, pool_rows, k_in, generator=g) * 0.02,
-                           torch.randn(pool_rows, n_out, generator=g) * 0.02, tuple(grp.slice_offsets), k_in))
+                           (torch.randn(grp.num_slices, pool_rows, k_in, generator=g) * 0.02).to(pool_dtype),
+                           (torch.randn(pool_rows, n_out, generator=g) * 0.02).to(pool_dtype),
+                           tuple(grp.slice_offsets), k_in))
     xs = {k: torch.randn(T, k, generator=g) for k in {grp.in_features for grp in spec.groups}}
 
     def meta(groups: int) -> LoraBatchMeta:
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
         hb.progress(f"round {i + 1}: " + ", ".join(f"{n} {best[n] * 1e3:.2f} ms" for n in names))
     gbps = stream_gbps()
 
-    gemm_flops, lora_flops, adapter_bytes = lora_cost(spec, T, r)
+    gemm_flops, lora_flops, adapter_bytes = lora_cost(spec, T, r, pool_dtype)
     rate = gemm_flops / best["gemms"]
     rows = []
     out = {"machine": hb.machine_info(), "args": vars(args), "stream_gb_s": gbps, "gemm_gflop_s": rate / 1e9,

@@ -28,6 +28,10 @@ class EngineConfig:
     adapter_roots: list[str] = field(default_factory=list)
     max_lora_rank: int = 64
     lora_memory_bytes: int = 256 << 20  # device pools of rank rows of the attention / dense MLP layers
+    # Element type of the adapter pools: auto = the model's dtype. Under a float32 model, bfloat16 / float16 pools
+    # hold twice the rank rows in the same bytes and halve what a decode step with many adapters reads; adapters
+    # saved in that type are kept exactly (widened where read), others are rounded to it.
+    lora_dtype: str = "auto"
     # MoE models: device pools of expert rank rows (every expert of every MoE layer; only adapters that target
     # experts take them). 0 = expert LoRA refused. Mixtral-8x7B in bf16: 27 MiB per rank row.
     lora_expert_memory_bytes: int = 0
@@ -56,6 +60,8 @@ class EngineConfig:
 
         check(self.dtype == "auto" or self.dtype in _DTYPES,
               "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        check(self.lora_dtype == "auto" or self.lora_dtype in _DTYPES,
+              "lora_dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.lora_dtype!r}")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
               "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
         check(isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
@@ -102,6 +108,16 @@ class EngineConfig:
         if self.torch_device.type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def resolve_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The adapter pools' dtype: the model's, or a 16-bit type under a float32 model (pools are widened to the
+        activations' type where read; a pool type the activations would narrow to is refused)."""
+        if self.lora_dtype == "auto" or _DTYPES[self.lora_dtype] == model_dtype:
+            return model_dtype
+        if model_dtype != torch.float32:
+            raise ConfigError("lora_dtype", f"{self.lora_dtype} pools need a float32 model; this one runs in "
+                              f"{str(model_dtype).removeprefix('torch.')}: use auto")
+        return _DTYPES[self.lora_dtype]
 
     @classmethod
     def field_names(cls) -> list[str]:

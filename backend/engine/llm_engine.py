@@ -98,7 +98,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device, self.runner.dtype)
+        self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device,
+                                        config.resolve_lora_dtype(self.runner.dtype))
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)

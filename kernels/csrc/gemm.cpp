@@ -337,9 +337,13 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
 // computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own adapter's
 // rows) take loom_lora_apply's pass: beside the GEMM on other threads where there are several and x is one row
 // block (gemm_with_pass), else afterwards.
+//
+// Pools of 16-bit floats (dt, with_type's code): the fused groups' rows are widened to float32 scratch first (a
+// prefill chunk's shrink and output tiles read each of them many times; widening is exact, so the bits are those of
+// float32 pools), the pass reads its rows (once per token) as they are.
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-                    float* C, int64_t ldc, const float* a, int64_t R, const float* b, const int64_t* offs, int64_t S,
-                    const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                    float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs,
+                    int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
                     const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
   // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
   struct Split {
@@ -360,15 +364,41 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     const int64_t n = seg[g + 1] - seg[g];
     (n >= fuse_min ? big : small).add(tok + seg[g], n, rows[g], ranks[g], scal[g]);
   }
-  int64_t max_rank = 0;
-  for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r);
+  int64_t max_rank = 0, big_rows = 0;
+  for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
+  const void *fa = a, *fb = b;  // the fused groups' float32 pools: a and b, or their rows widened
+  int64_t fR = R;
+  std::vector<float> wide_a, wide_b;
+  if (dt != 0 && big_rows) {
+    wide_a.resize(S * big_rows * K);
+    wide_b.resize(big_rows * N);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      int64_t r0 = 0;
+      for (int64_t g = 0; g < big.groups(); ++g) {
+        const int64_t rk = big.ranks[g];
+        for (int64_t s = 0; s < S; ++s) {
+          const T* src = static_cast<const T*>(a) + (s * R + big.rows[g]) * K;
+          float* dst = wide_a.data() + (s * big_rows + r0) * K;
+          for (int64_t i = 0; i < rk * K; ++i) dst[i] = to_f32(src[i]);
+        }
+        const T* src = static_cast<const T*>(b) + int64_t(big.rows[g]) * N;
+        for (int64_t i = 0; i < rk * N; ++i) wide_b[r0 * N + i] = to_f32(src[i]);
+        big.rows[g] = int32_t(r0);
+        r0 += rk;
+      }
+    });
+    fa = wide_a.data();
+    fb = wide_b.data();
+    fR = big_rows;
+  }
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
   std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, b, offs, S, std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0),
-                  std::vector<float>(M, 0.f)};
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, static_cast<const float*>(fb), offs, S,
+                  std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0), std::vector<float>(M, 0.f)};
   if (big.groups()) {
-    loom_lora_shrink(A, lda, a, S, R, K, big.tok.data(), big.seg.data(), big.rows.data(), big.ranks.data(),
-                     big.groups(), coef.data(), coef_ld, rank_pad, nthreads);
+    loom_lora_shrink(A, lda, fa, 0, S, fR, K, big.tok.data(), big.seg.data(), big.rows.data(),
+                     big.ranks.data(), big.groups(), coef.data(), coef_ld, rank_pad, nthreads);
     for (int64_t g = 0; g < big.groups(); ++g)
       for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) {
         ep.row[big.tok[i]] = big.rows[g];
@@ -377,15 +407,15 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
       }
   }
   if (small.groups() && nthreads > 1 && row_block_rows(M, mc) == M) {
-    const LoraPass pass{A, lda, a, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
-                        small.ranks.data(), small.scal.data(), small.groups(),
+    const LoraPass pass{A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(),
+                        small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
                         LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
     gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
     return;
   }
   gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr);
   if (small.groups())
-    loom_lora_apply(A, lda, a, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
+    loom_lora_apply(A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
                     small.ranks.data(), small.scal.data(), small.groups(), nthreads);
 }
 

@@ -16,8 +16,9 @@ struct LoomLinear {
   const float* panels;
   int64_t N;
   const float* bias;      // nullable
-  const float* lora_a;    // [S, R, K] or null: no pools
-  const float* lora_b;    // [R, N]
+  const void* lora_a;     // [S, R, K] or null: no pools
+  const void* lora_b;     // [R, N]
+  int64_t dt;             // the pools' element type (with_type's code)
   int64_t S, R;
   const int64_t* offs;    // slice column offsets [S + 1]
 };
@@ -72,8 +73,8 @@ struct LoomStep {
 
 void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const float* x, int64_t K, int64_t mc, float* y) {
   if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
-    loom_gemm_lora(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, l.lora_a, l.R, l.lora_b, l.offs, l.S, st.tok,
-                   st.seg, st.rows, st.ranks, st.scal, st.groups, st.fuse_min, mc, st.nthreads);
+    loom_gemm_lora(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, l.lora_a, int(l.dt), l.R, l.lora_b, l.offs, l.S,
+                   st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups, st.fuse_min, mc, st.nthreads);
   else
     loom_gemm(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, mc, st.nthreads);
 }

@@ -1,7 +1,8 @@
 // Multi-LoRA over adapter rank rows read in place in the pools, shrink and expand in one pass:
 //   y[tok[i], offs[s]:offs[s+1]] += scal[g] * sum_r (x[tok[i]] . a[s, rows[g] + r]) * b[rows[g] + r, offs[s]:offs[s+1]]
 // for the tokens i of group g (tok[seg[g]:seg[g+1]]), r < ranks[g]. x rows of stride xs; a [S, R, K] contiguous;
-// b [R, N] contiguous; y rows of stride ys; seg [G+1], rows / ranks [G] int32; scal [G] float32; tok int64.
+// b [R, N] contiguous (a and b float32, bfloat16 or float16: with_type's code, widened as read); y rows of stride
+// ys; seg [G+1], rows / ranks [G] int32; scal [G] float32; tok int64.
 //
 // Work items are tiles of up to LORA_MAX_TILE tokens of one group (fewer when that would leave threads idle), in
 // parallel: a group's tokens are its own rows of y, so no two items write one row. Register tiles keep loads per
@@ -27,15 +28,14 @@ constexpr int SHRINK_ROWS = 3;
 // arithmetic, and the result, is the AVX2 loop's to the bit at twice the width (a prefill chunk of 2,048 tokens on one
 // adapter, every layer of the default model, Zen 5 core: 195-252 -> 103-145 ms added to the GEMMs, of which about 95
 // are the LoRA's FLOPs at the GEMMs' rate).
-template <int TI>
-inline void shrink_block(const float* const* x, const float* const* a, int64_t K, float* out) {
+template <int TI, class T>
+inline void shrink_block(const float* const* x, const T* const* a, int64_t K, float* out) {
   int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    const __m512 a01 = pair256(_mm256_loadu_ps(a[0] + k), _mm256_loadu_ps(a[1] + k)),
-                 a23 = pair256(_mm256_loadu_ps(a[2] + k), _mm256_loadu_ps(a[3] + k));
+    const __m512 a01 = load_pair(a[0] + k, a[1] + k), a23 = load_pair(a[2] + k, a[3] + k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xh = _mm256_loadu_ps(x[i] + k);
       const __m512 xv = pair256(xh, xh);
@@ -53,8 +53,7 @@ inline void shrink_block(const float* const* x, const float* const* a, int64_t K
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    const __m256 a0 = _mm256_loadu_ps(a[0] + k), a1 = _mm256_loadu_ps(a[1] + k), a2 = _mm256_loadu_ps(a[2] + k),
-                 a3 = _mm256_loadu_ps(a[3] + k);
+    const __m256 a0 = load8(a[0] + k), a1 = load8(a[1] + k), a2 = load8(a[2] + k), a3 = load8(a[3] + k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + k);
       acc[i][0] = _mm256_fmadd_ps(xv, a0, acc[i][0]);
@@ -70,18 +69,18 @@ inline void shrink_block(const float* const* x, const float* const* a, int64_t K
 #endif
   for (; k < K; ++k)
     for (int i = 0; i < TI; ++i)
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a[j][k];
+      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * to_f32(a[j][k]);
 }
 
 // y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time. STORE: y_i[c]
 // = the sum (unscaled), for lora_combine to add later with the same arithmetic.
-template <bool STORE = false>
-inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, const float* b, int64_t ldb,
+template <bool STORE = false, class T>
+inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, const T* b, int64_t ldb,
                         int64_t rank, float sc, int64_t c0, int64_t c1) {
   for (int64_t i = 0; i < nt; ++i)
     for (int64_t c = c0; c < c1; ++c) {
       float d = 0.f;
-      for (int64_t r = 0; r < rank; ++r) d += coef[i][r] * b[r * ldb + c];
+      for (int64_t r = 0; r < rank; ++r) d += coef[i][r] * to_f32(b[r * ldb + c]);
       if constexpr (STORE)
         y[i][c] = d;
       else
@@ -91,14 +90,14 @@ inline void expand_cols(float* const* y, int64_t nt, const float* const* coef, c
 
 // y_i[c : c + 16] += sc * sum_r coef_i[r] * b_r[c : c + 16] for TI token rows (b_r = b + r * ldb). The rank sum
 // is formed on its own and added to y once (as the reference adds its delta), not term by term into y.
-template <int TI, bool STORE = false>
-inline void expand_block(float* const* y, const float* const* coef, const float* b, int64_t ldb, int64_t rank,
+template <int TI, bool STORE = false, class T>
+inline void expand_block(float* const* y, const float* const* coef, const T* b, int64_t ldb, int64_t rank,
                          float sc) {
 #if defined(__AVX512F__)  // one vector a row: each column's arithmetic as below
   __m512 acc[TI];
   for (int i = 0; i < TI; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t r = 0; r < rank; ++r) {
-    const __m512 bv = _mm512_loadu_ps(b + r * ldb);
+    const __m512 bv = load16(b + r * ldb);
     for (int i = 0; i < TI; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(coef[i][r]), bv, acc[i]);
   }
   const __m512 s = _mm512_set1_ps(sc);
@@ -108,7 +107,7 @@ inline void expand_block(float* const* y, const float* const* coef, const float*
   __m256 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < rank; ++r) {
-    const __m256 b0 = _mm256_loadu_ps(b + r * ldb), b1 = _mm256_loadu_ps(b + r * ldb + 8);
+    const __m256 b0 = load8(b + r * ldb), b1 = load8(b + r * ldb + 8);
     for (int i = 0; i < TI; ++i) {
       const __m256 c = _mm256_broadcast_ss(coef[i] + r);
       acc[i][0] = _mm256_fmadd_ps(c, b0, acc[i][0]);
@@ -127,11 +126,11 @@ inline void expand_block(float* const* y, const float* const* coef, const float*
 
 // The tile's shrink: buf[i * rank_pad + r] = x_i . a_r, rank rows in blocks of 4 (the last block repeats
 // its last row; the extra products land in the padding and are never read).
-void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, int64_t rank, float* buf,
-                 int64_t rank_pad) {
+template <class T>
+void shrink_tile(const float* const* x, int64_t nt, const T* a, int64_t K, int64_t rank, float* buf, int64_t rank_pad) {
   float out[SHRINK_ROWS * 4];
   for (int64_t r0 = 0; r0 < rank; r0 += 4) {
-    const float* ar[4];
+    const T* ar[4];
     for (int j = 0; j < 4; ++j) ar[j] = a + std::min(r0 + j, rank - 1) * K;
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
@@ -143,8 +142,8 @@ void shrink_tile(const float* const* x, int64_t nt, const float* a, int64_t K, i
 }
 
 // The tile's expand over columns [c0, c1) of y and b: 16 at a time, then the tail column by column
-template <bool STORE = false>
-void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad, const float* b, int64_t ldb,
+template <bool STORE = false, class T>
+void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad, const T* b, int64_t ldb,
                  int64_t rank, float sc, int64_t c0, int64_t c1) {
   const float* cf_all[LORA_MAX_TILE];
   for (int64_t i = 0; i < nt; ++i) cf_all[i] = buf + i * rank_pad;
@@ -225,13 +224,14 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
 // the expand all rank rows of B 48 columns at a time, strided streams the hardware keeps few loads in flight for
 // (32 decode tokens on 32 adapters, all layers of the default model, Zen 5 core: 33.4-34.3 -> 23.5-25.3 ms added to
 // the GEMMs in scripts/bench_lora_floor.py; B alone loaded first: 26.2-27.9).
-inline void touch_adapter(const float* a, int64_t S, int64_t R, int64_t K, int64_t row, int64_t rank, const float* b,
-                          int64_t N, float& sink) {
-  const float* bb = b + row * N;
+template <class T>
+inline void touch_adapter(const T* a, int64_t S, int64_t R, int64_t K, int64_t row, int64_t rank, const T* b, int64_t N,
+                          float& sink) {
+  const T* bb = b + row * N;
   const int64_t na = rank * K, nb = rank * N;
   int64_t ib = 0;
   for (int64_t s = 0; s < S; ++s) {
-    const float* as = a + (s * R + row) * K;
+    const T* as = a + (s * R + row) * K;
     const int64_t n = std::min(na, nb - ib) / 16 * 16;  // beside the next part of B
     touch(as, bb + ib, n, sink);
     touch(as + n, na - n, sink);
@@ -266,9 +266,10 @@ struct LoraItems {
 struct LoraPass {
   const float* x;
   int64_t xs;
-  const float* a;
+  const void* a;  // pools of with_type's element type code dt
+  int dt;
   int64_t S, R, K;
-  const float* b;
+  const void* b;
   int64_t N;
   const int64_t* offs;
   float* y;
@@ -297,12 +298,16 @@ struct LoraPass {
       sc.xr[i] = x + tok[t0 + i] * xs;
       sc.yr[i] = STORE ? out + (t0 + i) * out_ld : y + tok[t0 + i] * ys;
     }
-    touch_adapter(a, S, R, K, rows[g], ranks[g], b, N, sc.sink);
-    for (int64_t s = 0; s < S; ++s)
-      shrink_tile(sc.xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], sc.buf.data() + s * tile * rp, rp);
-    for (int64_t s = 0; s < S; ++s)
-      expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, b + int64_t(rows[g]) * N, N, ranks[g],
-                         scal[g], offs[s], offs[s + 1]);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      const T *pa = static_cast<const T*>(a), *pb = static_cast<const T*>(b);
+      touch_adapter(pa, S, R, K, rows[g], ranks[g], pb, N, sc.sink);
+      for (int64_t s = 0; s < S; ++s)
+        shrink_tile(sc.xr.data(), nt, pa + (s * R + rows[g]) * K, K, ranks[g], sc.buf.data() + s * tile * rp, rp);
+      for (int64_t s = 0; s < S; ++s)
+        expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, pb + int64_t(rows[g]) * N, N,
+                           ranks[g], scal[g], offs[s], offs[s + 1]);
+    });
   }
 };
 
@@ -325,10 +330,11 @@ inline void lora_combine(float* y, const float* d, const int64_t* offs, int64_t 
 
 extern "C" {
 
-void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const float* b,
-                     int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok, const int32_t* seg,
-                     const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G, int nthreads) {
-  const LoraPass pass{x, xs, a, S, R, K, b, N, offs, y, ys, tok, seg, rows, ranks, scal, G,
+void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
+                     const void* b, int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok,
+                     const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G,
+                     int nthreads) {
+  const LoraPass pass{x, xs, a, dt, S, R, K, b, N, offs, y, ys, tok, seg, rows, ranks, scal, G,
                       LoraItems(seg, ranks, G, nthreads)};
   const int64_t n_items = pass.items.size();
   if (n_items == 0) return;
@@ -344,9 +350,9 @@ void loom_lora_apply(const float* x, int64_t xs, const float* a, int64_t S, int6
 // The shrink alone: coef[tok * coef_ld + s * rank_pad + r] = x[tok] . a[s, rows[g] + r] for the tokens of group
 // g, r < ranks[g] (rank_pad >= every rank rounded up to 4; entries past a token's rank are scratch). Tokens of no
 // group are not written. With loom_gemm_lora, the LoRA of a packed linear layer without a pass over y of its own.
-void loom_lora_shrink(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const int64_t* tok,
-                      const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G, float* coef,
-                      int64_t coef_ld, int64_t rank_pad, int nthreads) {
+void loom_lora_shrink(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
+                      const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G,
+                      float* coef, int64_t coef_ld, int64_t rank_pad, int nthreads) {
   const LoraItems items(seg, ranks, G, nthreads);
   const int64_t n_items = items.size(), tile = items.tile;
   if (n_items == 0) return;
@@ -358,11 +364,16 @@ void loom_lora_shrink(const float* x, int64_t xs, const float* a, int64_t S, int
     for (int64_t w = 0; w < n_items; ++w) {
       const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
       for (int64_t i = 0; i < nt; ++i) xr[i] = x + tok[t0 + i] * xs;
-      for (int64_t s = 0; s < S; ++s) {
-        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data(), rank_pad);
-        for (int64_t i = 0; i < nt; ++i)
-          std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad, rank_pad * sizeof(float));
-      }
+      with_type(dt, [&](auto tag) {
+        using T = decltype(tag);
+        for (int64_t s = 0; s < S; ++s) {
+          shrink_tile(xr.data(), nt, static_cast<const T*>(a) + (s * R + rows[g]) * K, K, ranks[g], buf.data(),
+                      rank_pad);
+          for (int64_t i = 0; i < nt; ++i)
+            std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad,
+                        rank_pad * sizeof(float));
+        }
+      });
     }
   }
 }

@@ -15,12 +15,13 @@ def model_spec(config: dict, layers: int = 0):
     return LoraModelSpec.from_hf_config(types.SimpleNamespace(**cfg))
 
 
-def lora_cost(spec, tokens: int, rank: int) -> tuple[int, int, int]:
-    """(FLOPs of the layers' GEMMs, FLOPs of LoRA on every projection, bytes of one adapter's rows), float32."""
+def lora_cost(spec, tokens: int, rank: int, pool_dtype=None) -> tuple[int, int, int]:
+    """(FLOPs of the layers' GEMMs, FLOPs of LoRA on every projection, bytes of one adapter's rows in pools of
+    pool_dtype (float32 when None))."""
     import torch
 
     gemm = spec.num_layers * sum(2 * tokens * g.in_features * g.out_features for g in spec.groups)
-    return gemm, 2 * tokens * rank * spec.elems_per_row, rank * spec.bytes_per_row(torch.float32)
+    return gemm, 2 * tokens * rank * spec.elems_per_row, rank * spec.bytes_per_row(pool_dtype or torch.float32)
 
 
 def stream_gbps(mb: int = 256, reps: int = 5) -> float:

@@ -188,6 +188,40 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     assert torch.equal(got[owner == -1], pw(x)[owner == -1])
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", ["prefill chunks", "decode"])
+def test_16_bit_pools_give_the_bits_of_their_float32_values(pool_dtype, threads, case, monkeypatch):
+    """Adapter pools kept in 16 bits (lora_dtype) are widened where the kernels read them: the one-pass LoRA, the
+    GEMM with the LoRA in its tiles or beside it, and the references give bitwise what float32 pools holding the same
+    values give (widening is exact). K and slice widths leave tails past every vector width; values include float16
+    subnormals."""
+    from loom.kernels import cpu_lora
+    from loom.kernels.cpu_linear import PackedWeight
+
+    monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
+    torch.manual_seed(7)
+    runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (3, 45)] if case == "prefill chunks" else \
+        [(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)]
+    meta, R, owner = kcases.contiguous_lora_meta(runs, [16, 5, 8, 64])
+    T, K, offs = len(owner), 43, [0, 48, 61, 61 + 130]
+    x = torch.randn(T, K)
+    a16, b16 = torch.randn(3, R, K).to(pool_dtype), torch.randn(R, offs[-1]).to(pool_dtype)
+    a16.view(-1)[:7] = torch.tensor([1e-7, -3e-6, 5e-5, 0.0, -0.0, 6e-8, 65504.0]).to(pool_dtype)
+    a32, b32 = a16.float(), b16.float()
+    assert torch.equal(a32.to(pool_dtype), a16)
+    y0 = torch.randn(T, offs[-1])
+    got = cpu_lora.lora_apply_cpu(x, y0.clone(), a16, b16, offs, meta)
+    assert torch.equal(got, cpu_lora.lora_apply_cpu(x, y0.clone(), a32, b32, offs, meta))
+    assert not torch.equal(got, y0)
+    pw = PackedWeight(torch.randn(offs[-1], K), torch.randn(offs[-1]))
+    for fuse_min in (1, cpu_lora.FUSE_MIN_TOKENS):
+        monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
+        assert torch.equal(pw.with_lora(x, a16, b16, offs, meta), pw.with_lora(x, a32, b32, offs, meta))
+    ref16 = lora.lora_expand_ref(lora.lora_shrink_ref(x, a16, meta), b16, offs, meta, y0.clone())
+    assert torch.equal(ref16, lora.lora_expand_ref(lora.lora_shrink_ref(x, a32, meta), b32, offs, meta, y0.clone()))
+
+
 @pytest.mark.parametrize("scal_dtype", [torch.float32, torch.float64])  # float64: the kernel needs a converted copy
 def test_lora_cpu_meta_updated_in_place(scal_dtype):
     """A meta reused across steps with its tensors rewritten in place (the CUDA-graph path's static meta) gives

@@ -242,3 +242,46 @@ def test_refusals(base, root, tmp_path):
     outs = llm.generate([[5, 6, 7], [5, 6, 7]], p, lora_names=["broken", "a1"])
     assert outs[0].finish_reason == "error" and "not a valid safetensors" in (outs[0].error or "")
     assert outs[1].error is None and len(outs[1].token_ids) == 2
+
+
+@pytest.mark.parametrize("pool", ["bfloat16", "float16"])
+def test_16_bit_pools_keep_16_bit_adapters_exactly(base, tmp_path, pool):
+    """lora_dtype=bfloat16 / float16 under a float32 model: adapters saved in that type are kept as they are (pools
+    of half the bytes a row, so twice the rows in the same memory) and give PEFT's tokens, and bitwise the tokens
+    and logprobs of float32 pools (widening in the kernels is exact)."""
+    dt = getattr(torch, pool)
+    root16 = tmp_path / pool
+    targets = [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["v_proj", "down_proj"]]
+    for i in range(4):
+        write_raw_adapter(str(root16 / f"h{i}"), CFG, seed=40 + i, r=(3, 8, 16, 5)[i], alpha=4 + i,
+                          target_modules=targets[i % 2], dtype=dt, scale=3.0)
+    names = [None, "h0", "h1", "h2", "h3", "h1", None, "h0"]
+    prompts = prompts_for(len(names), seed=4)
+    params = SamplingParams(max_tokens=6, logprobs=2, **GREEDY)
+    outs = {}
+    for lora_dtype in ("auto", pool):
+        llm = make_llm(base, [root16], lora_dtype=lora_dtype, lora_memory_bytes=64 * ROW)
+        reg = llm.engine.adapters
+        assert {a.dtype for a in reg.pool.a.values()} == {torch.float32 if lora_dtype == "auto" else dt}
+        assert reg.pool.capacity == (64 if lora_dtype == "auto" else 128)
+        outs[lora_dtype] = llm.generate(prompts, params, lora_names=names)
+    for got, want in zip(outs[pool], outs["auto"]):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+    check_against_oracle(base, root16, outs[pool], prompts, names, 6)
+
+
+def test_lora_dtype_refusals():
+    from loom.engine.config import EngineConfig
+    from loom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="lora_dtype") as ei:
+        EngineConfig(lora_dtype="int8")
+    assert ei.value.field == "lora_dtype"
+    conf = EngineConfig(lora_dtype="float16")
+    assert conf.resolve_lora_dtype(torch.float32) == torch.float16
+    assert conf.resolve_lora_dtype(torch.float16) == torch.float16
+    with pytest.raises(ConfigError, match="need a float32 model") as ei:
+        conf.resolve_lora_dtype(torch.bfloat16)  # float16 pools read as bfloat16 would lose bits
+    assert ei.value.field == "lora_dtype"
+    assert EngineConfig().resolve_lora_dtype(torch.bfloat16) == torch.bfloat16

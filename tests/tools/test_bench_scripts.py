@@ -153,7 +153,8 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     vllm |= {"_per_setting": {"0": v1, "0,1": v2}, "_all": {"vllm plain 0": {"startup_s": 90.0}}}
     looms = {"1": res(70.0, 68.0, 50.0) | {"rounds": [], "stream_gb_s": 10.0},  # at equal compute: above vLLM "0"
              "2": res(95.0, 93.0, 80.0, tokens=((1, 2), (3, 5))) | {"rounds": []}}  # below vLLM's best; one row differs
-    args = argparse.Namespace(requests=2, max_tokens=2, prompt_len=4, rank=16, compile="eager", repeats=1)
+    args = argparse.Namespace(requests=2, max_tokens=2, prompt_len=4, rank=16, compile="eager", repeats=1,
+                              adapter_dtype="float32")
     text = bl.report({"loom": looms, "vllm": vllm, "adapter_bytes": 140_000_000}, args)
 
     def met(target: str) -> bool:
