@@ -372,22 +372,24 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   if (dt != 0 && big_rows) {
     wide_a.resize(S * big_rows * K);
     wide_b.resize(big_rows * N);
+    std::vector<int32_t> at(big.groups() + 1, 0);  // group g's rows in the widened pools: [at[g], at[g + 1])
+    for (int64_t g = 0; g < big.groups(); ++g) at[g + 1] = at[g] + big.ranks[g];
     with_type(dt, [&](auto tag) {
       using T = decltype(tag);
-      int64_t r0 = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
       for (int64_t g = 0; g < big.groups(); ++g) {
         const int64_t rk = big.ranks[g];
         for (int64_t s = 0; s < S; ++s) {
           const T* src = static_cast<const T*>(a) + (s * R + big.rows[g]) * K;
-          float* dst = wide_a.data() + (s * big_rows + r0) * K;
+          float* dst = wide_a.data() + (s * big_rows + at[g]) * K;
           for (int64_t i = 0; i < rk * K; ++i) dst[i] = to_f32(src[i]);
         }
         const T* src = static_cast<const T*>(b) + int64_t(big.rows[g]) * N;
-        for (int64_t i = 0; i < rk * N; ++i) wide_b[r0 * N + i] = to_f32(src[i]);
-        big.rows[g] = int32_t(r0);
-        r0 += rk;
+        float* dst = wide_b.data() + int64_t(at[g]) * N;
+        for (int64_t i = 0; i < rk * N; ++i) dst[i] = to_f32(src[i]);
       }
     });
+    std::copy(at.begin(), at.end() - 1, big.rows.begin());
     fa = wide_a.data();
     fb = wide_b.data();
     fR = big_rows;

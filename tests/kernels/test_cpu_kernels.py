@@ -188,6 +188,36 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     assert torch.equal(got[owner == -1], pw(x)[owner == -1])
 
 
+@pytest.mark.parametrize("rank", [13, 64])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_lora_delta_does_not_depend_on_its_tile(rank, pool_dtype, monkeypatch):
+    """Tokens on one adapter give bitwise the same outputs whether they form one group (tiles of many tokens, or the
+    GEMM's output tiles) or each is a group of its own (decode tiles of one token, which run other register blocks):
+    a request's result does not depend on what else is in the batch."""
+    from loom.kernels import cpu_lora
+    from loom.kernels.cpu_linear import PackedWeight
+    from loom.layers.forward_context import LoraBatchMeta
+
+    monkeypatch.setattr(cpu_ext, "nthreads", lambda: 1)
+    torch.manual_seed(3)
+    T, K, offs = 20, 43, [0, 48, 61, 61 + 130]
+
+    def meta(groups: int) -> LoraBatchMeta:
+        per = T // groups
+        return LoraBatchMeta(token_indices=torch.arange(T), seg_starts=torch.arange(0, T + 1, per, dtype=torch.int32),
+                             row_start=torch.full((groups,), 2, dtype=torch.int32),
+                             ranks=torch.full((groups,), rank, dtype=torch.int32), scalings=torch.full((groups,), 0.7),
+                             max_rank=rank, max_seg_len=per)
+
+    x, y0 = torch.randn(T, K), torch.randn(T, offs[-1])
+    a, b = torch.randn(3, rank + 4, K).to(pool_dtype), torch.randn(rank + 4, offs[-1]).to(pool_dtype)
+    one, each = meta(1), meta(T)
+    got = cpu_lora.lora_apply_cpu(x, y0.clone(), a, b, offs, one)
+    assert torch.equal(got, cpu_lora.lora_apply_cpu(x, y0.clone(), a, b, offs, each))
+    pw = PackedWeight(torch.randn(offs[-1], K))
+    assert torch.equal(pw.with_lora(x, a, b, offs, one), pw.with_lora(x, a, b, offs, each))  # fused / pass
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("case", ["prefill chunks", "decode"])
