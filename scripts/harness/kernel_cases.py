@@ -286,10 +286,17 @@ def rank_mask(meta, n_slices):
     return m
 
 
-def check_lora_shrink(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), k_in=128, n_slices=3, split_k=None):
+def _pool_dtype(dtype, pool16: bool):
+    """pool16: float16 adapter pools under float32 activations (lora_dtype), widened where read; else the
+    activations' dtype."""
+    return torch.float16 if pool16 and dtype == torch.float32 else dtype
+
+
+def check_lora_shrink(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), k_in=128, n_slices=3, split_k=None,
+                      pool16=False):
     meta, R, _ = make_lora_meta(num_tokens, list(ranks), device)
     x = rnd(num_tokens, k_in, dtype=dtype, device=device)
-    a = rnd(n_slices, R, k_in, dtype=dtype, device=device, scale=k_in ** -0.5)
+    a = rnd(n_slices, R, k_in, dtype=_pool_dtype(dtype, pool16), device=device, scale=k_in ** -0.5)
     out = poison(n_slices, meta.token_indices.shape[0], meta.max_rank, dtype=torch.float32, device=device)
     lora.lora_shrink_triton(x, a, meta, out=out, split_k=split_k)
     ref = lora.lora_shrink_ref(x.float(), a.float(), meta)
@@ -297,11 +304,11 @@ def check_lora_shrink(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), k_in=1
     return assert_close(out[m], ref[m], dtype, "lora_shrink")
 
 
-def check_lora_expand(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), out_sizes=(64, 32, 32)):
+def check_lora_expand(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), out_sizes=(64, 32, 32), pool16=False):
     meta, R, owner = make_lora_meta(num_tokens, list(ranks), device)
     offs = [0] + torch.tensor(out_sizes).cumsum(0).tolist()
     buf = rnd(len(out_sizes), meta.token_indices.shape[0], meta.max_rank, dtype=torch.float32, device=device)
-    b = rnd(R, offs[-1], dtype=dtype, device=device, scale=0.3)
+    b = rnd(R, offs[-1], dtype=_pool_dtype(dtype, pool16), device=device, scale=0.3)
     y0 = rnd(num_tokens, offs[-1], dtype=dtype, device=device, scale=0.1)
     y = y0.clone()
     lora.lora_expand_triton(buf, b, offs, meta, y)
@@ -359,8 +366,10 @@ CASES = {
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
     "silu_and_mul": (check_silu, [dict()]),
     "gelu_tanh_and_mul": (check_gelu_tanh, [dict(), dict(T=3, inter=1100)]),
-    "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1)]),
-    "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,))]),
+    "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1),
+                                        dict(pool16=True)]),
+    "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,)),
+                                        dict(pool16=True)]),
 }
 
 
