@@ -7,23 +7,24 @@ of running requests while an adapter loads (loom only).
         --vllm-preload "$TCMALLOC:$VENV/lib/libiomp5.so"
     python scripts/bench_lora.py [--model DIR] [--requests 32] [--prompt-len 64] [--max-tokens 32] [--rank 16]
                                  [--threads 1 [2]] [--compile eager|compiled] [--json out.json] [--no-hot-load]
+                                 [--adapter-dtype float32|bfloat16|float16]
 
-Adapters are synthetic PEFT adapters (random A/B on q/k/v/o/gate/up/down) written for the model into a temp
-adapter root; vLLM loads the same folders. Prompts are random token ids; decoding is greedy with ignore_eos, so
-every request makes exactly --max-tokens tokens. Each scenario is the best of --repeats timed batches after a
-warm-up that ran every scenario once with 2 tokens (adapters loaded, shapes seen), for both systems; loom runs
-its scenarios round by round (none, one, distinct, then again) and also prints the ratios within each round,
-which a slow minute of a shared machine moves less than it moves best-of figures taken minutes apart. With
-several --threads, loom runs once per thread count (a new engine each) and each is also set against the vLLM
-setting that computes on as many threads (equal compute). vLLM's
-no-LoRA figure is its plain engine (compiled, as a user without adapters runs it); its adapter rows are an
-engine with enable_lora (eager, as vLLM runs LoRA on CPU) with max_loras = the adapters + 1 spare slot (vLLM
-0.32's CPU LoRA gives base requests batched with adapters the last slot's adapter, vllm#48421: the spare,
-never filled, keeps them clean; only the no-LoRA run of that engine has base requests).
-After its rounds each loom engine measures the streaming read rate on its threads, and the report prints the best
-distinct / no-LoRA ratio that rate allows when every request reads its own adapter's rows once per decode step
-(harness/adapter_cost.py): how far the distinct run is from what memory bandwidth permits on this machine.
-"""
+Adapters are synthetic PEFT adapters (random A/B on q/k/v/o/gate/up/down, saved as --adapter-dtype: float32 is the
+published protocol; bfloat16 is what many fine-tuning runs save, and loom then keeps them in bfloat16 pools,
+lora_dtype) written for the model into a temp adapter root; vLLM loads the same folders. Prompts are random token
+ids; decoding is greedy with ignore_eos, so every request makes exactly --max-tokens tokens. Each scenario is the
+best of --repeats timed batches after a warm-up that ran every scenario once with 2 tokens (adapters loaded, shapes
+seen), for both systems; loom runs its scenarios round by round (none, one, distinct, then again) and also prints
+the ratios within each round, which a slow minute of a shared machine moves less than it moves best-of figures taken
+minutes apart. With several --threads, loom runs once per thread count (a new engine each) and each is also set
+against the vLLM setting that computes on as many threads (equal compute). vLLM's no-LoRA figure is its plain engine
+(compiled, as a user without adapters runs it); its adapter rows are an engine with enable_lora (eager, as vLLM runs
+LoRA on CPU) with max_loras = the adapters + 1 spare slot (vLLM 0.32's CPU LoRA gives base requests batched with
+adapters the last slot's adapter, vllm#48421: the spare, never filled, keeps them clean; only the no-LoRA run of
+that engine has base requests). After its rounds each loom engine measures the streaming read rate on its threads,
+and the report prints the best distinct / no-LoRA ratio that rate allows when every request reads its own adapter's
+rows once per decode step (harness/adapter_cost.py): how far the distinct run is from what memory bandwidth permits
+on this machine."""
 from __future__ import annotations
 
 import argparse

@@ -123,6 +123,18 @@ inline __m512 load_pair(const f16_t* p, const f16_t* q) { return _mm512_cvtph_ps
 #endif
 #endif
 
+// dst[0:n] = src[0:n] widened to float32
+template <class T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = to_f32(src[i]);
+}
+
 // f(T{}) for an adapter pool's element type code (kernels/cpu_ext.py ADAPTER_TYPES): 0 float32, 1 bfloat16,
 // 2 float16
 template <class F>

@@ -368,30 +368,26 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
   const void *fa = a, *fb = b;  // the fused groups' float32 pools: a and b, or their rows widened
   int64_t fR = R;
-  std::vector<float> wide_a, wide_b;
+  std::unique_ptr<float[]> wide_a, wide_b;  // written whole before they are read
   if (dt != 0 && big_rows) {
-    wide_a.resize(S * big_rows * K);
-    wide_b.resize(big_rows * N);
+    wide_a.reset(new float[S * big_rows * K]);
+    wide_b.reset(new float[big_rows * N]);
     std::vector<int32_t> at(big.groups() + 1, 0);  // group g's rows in the widened pools: [at[g], at[g + 1])
     for (int64_t g = 0; g < big.groups(); ++g) at[g + 1] = at[g] + big.ranks[g];
     with_type(dt, [&](auto tag) {
       using T = decltype(tag);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(std::min<int64_t>(nthreads, big.groups())) schedule(dynamic, 1)
       for (int64_t g = 0; g < big.groups(); ++g) {
         const int64_t rk = big.ranks[g];
-        for (int64_t s = 0; s < S; ++s) {
-          const T* src = static_cast<const T*>(a) + (s * R + big.rows[g]) * K;
-          float* dst = wide_a.data() + (s * big_rows + at[g]) * K;
-          for (int64_t i = 0; i < rk * K; ++i) dst[i] = to_f32(src[i]);
-        }
-        const T* src = static_cast<const T*>(b) + int64_t(big.rows[g]) * N;
-        float* dst = wide_b.data() + int64_t(at[g]) * N;
-        for (int64_t i = 0; i < rk * N; ++i) dst[i] = to_f32(src[i]);
+        for (int64_t s = 0; s < S; ++s)
+          widen(static_cast<const T*>(a) + (s * R + big.rows[g]) * K, wide_a.get() + (s * big_rows + at[g]) * K,
+                rk * K);
+        widen(static_cast<const T*>(b) + int64_t(big.rows[g]) * N, wide_b.get() + int64_t(at[g]) * N, rk * N);
       }
     });
     std::copy(at.begin(), at.end() - 1, big.rows.begin());
-    fa = wide_a.data();
-    fb = wide_b.data();
+    fa = wide_a.get();
+    fb = wide_b.get();
     fR = big_rows;
   }
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;

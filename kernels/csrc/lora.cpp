@@ -223,20 +223,7 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
 #ifdef __AVX2__
   const int64_t v1 = std::min(c1, vec_end);
 #ifdef __AVX512F__
-  for (; c + 48 <= v1; c += 48) {  // three independent fma chains of 16 columns
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
-    for (int64_t r = 0; r < rank; ++r) {
-      const __m512 cr = _mm512_set1_ps(coef[r]);
-      const float* br = b + r * ldb + c;
-      a0 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br), a0);
-      a1 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br + 16), a1);
-      a2 = _mm512_fmadd_ps(cr, _mm512_loadu_ps(br + 32), a2);
-    }
-    const __m512 sv = _mm512_set1_ps(sc);
-    _mm512_storeu_ps(y + c, _mm512_fmadd_ps(sv, a0, _mm512_loadu_ps(y + c)));
-    _mm512_storeu_ps(y + c + 16, _mm512_fmadd_ps(sv, a1, _mm512_loadu_ps(y + c + 16)));
-    _mm512_storeu_ps(y + c + 32, _mm512_fmadd_ps(sv, a2, _mm512_loadu_ps(y + c + 32)));
-  }
+  for (; c + 48 <= v1; c += 48) expand_row48<false>(y + c, coef, b + c, ldb, rank, sc);
 #endif
   for (; c + 24 <= v1; c += 24) {  // three independent fma chains
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
