@@ -125,26 +125,37 @@ inline void expand_block(float* const* y, const float* const* coef, const T* b, 
 }
 
 #ifdef __AVX512F__
-// A decode tile (one token) needs more independent chains than shrink_block's two and expand_block's one to keep the
-// FMA units busy: one token x 8 rank rows (four chains) and one token x 48 columns (three chains), each row's and
-// column's lanes and arithmetic as in shrink_block and expand_block, so the same bits (32 decode tokens on 32
-// adapters, every layer of the default model, one thread, paired rounds: 5.0 ms less a step with bfloat16 rows, 14
-// of 15 rounds faster; 4.6 ms with float32 rows, 11 of 15; two threads, the pass beside the GEMM: no change).
-template <class T>
-inline void shrink_row8(const float* x, const T* const* a, int64_t K, float* out) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+// More independent chains than shrink_block's two per token and expand_block's one: up to 4 tokens x 8 rank rows
+// (four chains a token, the 8 rows' vectors loaded once for the tokens) and, for a decode tile of one token, 48
+// columns (three chains); each row's and column's lanes and arithmetic as in shrink_block and expand_block, so the
+// same bits. Every layer of the default model, one thread, paired rounds: 32 decode tokens on 32 adapters 5.0 ms less
+// a step with bfloat16 rows (14 of 15 rounds faster), 4.6 ms with float32 (11 of 15; two threads, the pass beside
+// the GEMM: no change); then the 8 rows for every tile: one adapter's decode step -0.3 / -0.6 ms (two / one thread,
+// 10 of 15), a 2,048-token prefill chunk +20 and -33 ms (one adapter, two runs), -66 ms (32 adapters, bfloat16, 7
+// of 7) of ~2.4 s.
+template <int TI, class T>
+inline void shrink_rows8(const float* const* x, const T* const* a, int64_t K, float* out) {
+  __m512 acc[TI][4];
+  for (int i = 0; i < TI; ++i)
+    for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    const __m256 xh = _mm256_loadu_ps(x + k);
-    const __m512 xv = pair256(xh, xh);
-    for (int h = 0; h < 4; ++h) acc[h] = _mm512_fmadd_ps(xv, load_pair(a[2 * h] + k, a[2 * h + 1] + k), acc[h]);
+    __m512 av[4];
+    for (int h = 0; h < 4; ++h) av[h] = load_pair(a[2 * h] + k, a[2 * h + 1] + k);
+    for (int i = 0; i < TI; ++i) {
+      const __m256 xh = _mm256_loadu_ps(x[i] + k);
+      const __m512 xv = pair256(xh, xh);
+      for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_fmadd_ps(xv, av[h], acc[i][h]);
+    }
   }
-  for (int h = 0; h < 4; ++h) {
-    out[2 * h] = hsum(lo256(acc[h]));
-    out[2 * h + 1] = hsum(hi256(acc[h]));
-  }
+  for (int i = 0; i < TI; ++i)
+    for (int h = 0; h < 4; ++h) {
+      out[i * 8 + 2 * h] = hsum(lo256(acc[i][h]));
+      out[i * 8 + 2 * h + 1] = hsum(hi256(acc[i][h]));
+    }
   for (; k < K; ++k)
-    for (int j = 0; j < 8; ++j) out[j] += x[k] * to_f32(a[j][k]);
+    for (int i = 0; i < TI; ++i)
+      for (int j = 0; j < 8; ++j) out[i * 8 + j] += x[i][k] * to_f32(a[j][k]);
 }
 
 template <bool STORE, class T>
@@ -161,18 +172,23 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 #endif
 
 // The tile's shrink: buf[i * rank_pad + r] = x_i . a_r, rank rows in blocks of 4 (the last block repeats
-// its last row; the extra products land in the padding and are never read); a decode tile 8 rows at a time first.
+// its last row; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
 template <class T>
 void shrink_tile(const float* const* x, int64_t nt, const T* a, int64_t K, int64_t rank, float* buf, int64_t rank_pad) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
 #ifdef __AVX512F__
-  if (nt == 1)
-    for (; r0 + 8 <= rank; r0 += 8) {
-      const T* ar[8];
-      for (int j = 0; j < 8; ++j) ar[j] = a + (r0 + j) * K;
-      shrink_row8(x[0], ar, K, buf + r0);
+  float out8[SHRINK_ROWS * 8];
+  for (; r0 + 8 <= rank; r0 += 8) {
+    const T* ar[8];
+    for (int j = 0; j < 8; ++j) ar[j] = a + (r0 + j) * K;
+    for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
+      const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
+      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_rows8<decltype(r)::value>(x + i0, ar, K, out8); });
+      for (int64_t i = 0; i < ti; ++i)
+        for (int j = 0; j < 8; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out8[i * 8 + j];
     }
+  }
 #endif
   for (; r0 < rank; r0 += 4) {
     const T* ar[4];

@@ -93,7 +93,8 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     """The GEMM's register tile is 4 x 24 with AVX2 and 8 x 48 with AVX-512 (its panels packed to match), but every
     output element is one fma chain over k in order: each build this CPU runs gives the same bits (and the references'
     result), for row counts and widths that are no multiple of either tile, with a bias, and with LoRA deltas (added
-    to the GEMM's output tiles, and in a pass of their own; the shrink's lanes are the same at either width)."""
+    to the GEMM's output tiles, and in a pass of their own, of prefill chunks and decode tokens, from float32 and
+    bfloat16 pools; the shrink's lanes are the same at either width)."""
     from loom.kernels import cpu_lora
     from loom.kernels.cpu_linear import PackedWeight, panel_width
 
@@ -104,6 +105,8 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
     # groups of 19, 9 and 14 tokens: every remainder of the shrink's 3 or 4 rows (AVX2 / AVX-512) and of the tiles
     meta, R, _ = kcases.contiguous_lora_meta([(0, 19), (-1, 3), (1, 9), (2, 14)], [16, 5, 8])
+    # decode: a token per group (tiles of one token, their own register blocks)
+    decode, _, _ = kcases.contiguous_lora_meta([(1, 1), (0, 1), (2, 1), (-1, 2)], [16, 5, 8])
     a, b = torch.randn(3, R, K), torch.randn(R, offs[-1])
     xs = [torch.randn(m, K) for m in (1, 5, 8, 13, 45, 64)]
     results, widths = [], []
@@ -115,6 +118,8 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
         for fuse_min in (1, 1 << 30):  # every group's deltas in the GEMM's tiles; every group in its own pass after
             monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
             res.append(pw.with_lora(xs[4], a, b, offs, meta))
+            res.append(pw.with_lora(xs[4], a.bfloat16(), b.bfloat16(), offs, meta))  # 16-bit pools (lora_dtype)
+        res.append(pw.with_lora(xs[1], a, b, offs, decode))
         results.append(res)
     assert widths == [{"AVX-512": 48, "AVX2": 24}[name] for name, _ in isas]
     for got in results[1:]:
@@ -123,7 +128,14 @@ def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
         assert kcases.rel_err(y, torch.nn.functional.linear(x, w, bias)) < 1e-5
     ref = lora.lora_expand_ref(lora.lora_shrink_ref(xs[4], a, meta), b, offs, meta,
                                torch.nn.functional.linear(xs[4], w, bias))
-    assert all(kcases.rel_err(y, ref) < 1e-5 for y in results[0][-2:])
+    lora_out = results[0][len(xs):-1]  # per fuse_min: float32 pools, bfloat16 pools
+    assert all(kcases.rel_err(y, ref) < 1e-5 for y in lora_out[0::2])
+    ref16 = lora.lora_expand_ref(lora.lora_shrink_ref(xs[4], a.bfloat16(), meta), b.bfloat16(), offs, meta,
+                                 torch.nn.functional.linear(xs[4], w, bias))
+    assert all(torch.equal(y, lora_out[1]) for y in lora_out[1::2]) and kcases.rel_err(lora_out[1], ref16) < 1e-5
+    ref_dec = lora.lora_expand_ref(lora.lora_shrink_ref(xs[1], a, decode), b, offs, decode,
+                                   torch.nn.functional.linear(xs[1], w, bias))
+    assert kcases.rel_err(results[0][-1], ref_dec) < 1e-5
 
 
 def test_loom_cpu_isa_caps_the_build(monkeypatch, caplog):
