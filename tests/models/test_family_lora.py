@@ -125,6 +125,30 @@ def test_mixed_step_expert_dense_and_no_adapter(tiny_model, adapters):
         "ex": {"dense": 3, "expert": 3}, "eo": {"dense": 0, "expert": 2}, "de": {"dense": 4, "expert": 0}}
 
 
+def test_bfloat16_pools_on_mixtral_match_peft(tiny_model, adapters):
+    """lora_dtype=bfloat16 under the float32 model: an adapter saved in bfloat16 on attention and experts (dense and
+    expert pools both 16-bit, widened where read) gives PEFT's tokens and logprobs with that adapter."""
+    from safetensors.torch import load_file, save_file
+
+    model, path = tiny_model("mixtral")
+    root = adapters / "mixtral-bf16"
+    src = make_peft_adapter(path, str(root / "f32"), seed=14, r=3, alpha=6, target_modules=["q_proj", "o_proj"],
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    dst = root / "h"
+    dst.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(src, "adapter_model.safetensors")).items()},
+              str(dst / "adapter_model.safetensors"))
+    (dst / "adapter_config.json").write_text((root / "f32" / "adapter_config.json").read_text())
+    oracle = peft_model(path, str(dst))
+    names = ["h", None, "h"]
+    prompts = random_prompts([5, 3, 9], model.config.vocab_size, seed=25)
+    llm = _llm(path, root, lora_dtype="bfloat16")
+    pools = llm.engine.adapters.pools
+    assert {t.dtype for pool in pools for t in (*pool.a.values(), *pool.b.values())} == {torch.bfloat16}
+    outs = check(llm, model, prompts, 5, lora_names=names, oracle=lambda i: oracle if names[i] else model)
+    assert outs[0].token_ids != check(llm, model, prompts[:1], 5)[0].token_ids  # the adapter matters
+
+
 def test_expert_adapters_refused_without_expert_memory(tiny_model, adapters):
     """lora_expert_memory_bytes=0 (the default): an adapter targeting experts is refused naming the field and the
     bytes it needs; too little memory is refused the same way; attention adapters are served as usual."""
