@@ -209,6 +209,22 @@ def adapter_type(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return None
 
 
+def serial_thread() -> bool:
+    """Make the calling thread's parallel regions (torch's CPU ops, these kernels) run on that thread alone: for a
+    helper thread beside the compute thread (the adapter loader). A thread that opens a parallel region of several
+    threads gets an OpenMP team of its own; with its idle workers libgomp manages more threads than there are cores
+    and then cuts every team's spin-wait to ~1,000 iterations, so the compute team's workers sleep and are woken at
+    every region of every later step (default model, two threads, 32 sequences decoding after one adapter load:
+    504 -> 59,791 context switches in 10 s, decode step 38 -> 49 ms). False where OpenMP's runtime is not at hand."""
+    torch.get_num_threads()  # torch's per-thread set-up first: it would set the thread's count to the process's
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname)
+    except OSError:
+        return False
+    gomp.omp_set_num_threads(1)
+    return True
+
+
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t itself when it is already a contiguous CPU tensor of dtype (index arrays the kernels read), else a copy."""
     return t if t.dtype == dtype and t.is_cpu and t.is_contiguous() else t.to("cpu", dtype).contiguous()

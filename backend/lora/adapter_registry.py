@@ -36,6 +36,7 @@ import torch
 
 from loom.device import bind_thread
 from loom.errors import RequestError
+from loom.kernels.cpu_ext import serial_thread
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.lora_pool import LoraPool
@@ -154,6 +155,11 @@ class AdapterRef:
                 f"active={self.active}, rows={self.row_start})")
 
 
+def _loader_thread(device: torch.device) -> None:
+    bind_thread(device)
+    serial_thread()
+
+
 class AdapterRegistry:
     def __init__(self, config, model: torch.nn.Module, device, dtype: torch.dtype, spec: LoraModelSpec | None = None):
         self.config = config
@@ -180,9 +186,10 @@ class AdapterRegistry:
         self._versions: set[_Version] = set()
         self._version_ids = itertools.count(1)
         self._clock = 0
-        # the loader pins host memory and may touch the device: on the engine's device, not the thread's default
+        # the loader pins host memory and may touch the device: on the engine's device, not the thread's default;
+        # its CPU ops serial, so that it never opens a second OpenMP team beside the engine's (cpu_ext.serial_thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
-                                            initializer=bind_thread, initargs=(self.device,))
+                                            initializer=_loader_thread, initargs=(self.device,))
         self.evictions = [0, 0]  # per space
         self.compactions = [0, 0]
         self.num_disk_loads = 0

@@ -429,3 +429,26 @@ def test_build_lora_meta_grouping(root):
     with pytest.raises(RuntimeError, match="not active"):
         build_lora_meta([extra], [1], "cpu")
     reg.close()
+
+
+def test_adapter_loads_open_no_second_openmp_team(tmp_path):
+    """The loader thread's CPU ops run serially: loading an adapter (large enough for torch to parallelise its
+    checks and copies) starts no OpenMP worker threads beside the engine's team. Those would make libgomp cut every
+    team's spin-waits, so the compute threads sleep and wake at every parallel region of every later step."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)  # what threads created from now on start with
+    try:
+        cfg = tiny_llama_config(hidden=128, inter=2048, layers=1)
+        write_raw_adapter(str(tmp_path / "big"), cfg, seed=0, r=64, alpha=64, target_modules=["down_proj"])
+        spec = LoraModelSpec.from_hf_config(cfg)
+        conf = EngineConfig(adapter_roots=[str(tmp_path)], max_lora_rank=64,
+                            lora_memory_bytes=128 * spec.bytes_per_row(torch.float32))
+        reg = AdapterRegistry(conf, None, "cpu", torch.float32, spec=spec)
+        reg._executor.submit(lambda: None).result()  # the loader thread itself
+        before = len(os.listdir("/proc/self/task"))
+        reg.load("big")
+        assert reg.info()["resident"] + reg.info()["host"] >= 1
+        assert len(os.listdir("/proc/self/task")) == before
+        reg.close()
+    finally:
+        torch.set_num_threads(prev)
