@@ -120,7 +120,10 @@ class TritonPythonModel:
         from loom.engine.llm_engine import LLMEngine  # heavy import (torch, kernels) only when a model loads
 
         self.cfg, self.limits = cfg, cfg.limits
-        self.engine = LLMEngine(cfg.engine)
+        from loom.kernels.cpu_ext import on_a_passing_thread
+
+        # built on a thread of its own: its OpenMP team ends with it, and the loop thread's is the only one
+        self.engine = on_a_passing_thread(lambda: LLMEngine(cfg.engine))
         # input_ids longer than the engine accepts are refused before they are converted to a list
         self.limits.max_prompt_tokens = cfg.engine.max_prompt_tokens or max(1, self.engine.max_model_len - 1)
         # The loop thread decodes with engine.tokenizer; fast tokenizers are not safe to share across

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -223,6 +224,30 @@ def serial_thread() -> bool:
         return False
     gomp.omp_set_num_threads(1)
     return True
+
+
+T = TypeVar("T")
+
+
+def on_a_passing_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread that ends when fn returns (its result returned, its exception raised here). For work whose
+    parallel regions must not leave an OpenMP team on the calling thread: a server builds its engine (load, pack,
+    warm-up) on one thread and steps it on another, and the builder's team would stay beside the stepping thread's
+    (see serial_thread; two threads, decode steps 34 -> 55 ms). A team ends with the thread that opened it."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="loom-build")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """The C++ CPU kernels' build (kernels/cpu_ext.py): without a compiler or with a failing one, the dispatcher
 runs the PyTorch references (identical results, one warning); concurrent first builds compile once."""
+import os
+import time
+
 import pytest
 import torch
 
@@ -156,3 +159,27 @@ def test_loom_cpu_isa_caps_the_build(monkeypatch, caplog):
     finally:
         monkeypatch.delenv("LOOM_CPU_ISA")
         cpu_ext.native_isa.cache_clear()
+
+
+def _tasks_settle(want: int, timeout_s: float = 5.0) -> int:
+    """The process's thread count once it reaches `want` (or the timeout): ended threads leave /proc a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while (n := len(os.listdir("/proc/self/task"))) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
+def test_a_passing_thread_leaves_no_openmp_team():
+    """Work with parallel regions run by on_a_passing_thread leaves no OpenMP workers behind (a server's engine is
+    built there and stepped on its loop thread, whose team must be the only one); its result and its exception
+    come back to the caller."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = len(os.listdir("/proc/self/task"))
+        assert cpu_ext.on_a_passing_thread(lambda: float((torch.ones(1 << 22) * 2).sum())) == 2.0 * (1 << 22)
+        assert _tasks_settle(before) == before
+        with pytest.raises(ValueError, match="from the thread"):
+            cpu_ext.on_a_passing_thread(lambda: int("from the thread"))
+    finally:
+        torch.set_num_threads(prev)
