@@ -366,7 +366,8 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   }
   int64_t max_rank = 0, big_rows = 0;
   for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
-  const void *fa = a, *fb = b;  // the fused groups' float32 pools: a and b, or their rows widened
+  // the fused groups' float32 pools: a and b themselves, or their rows widened
+  const float *fa = static_cast<const float*>(a), *fb = static_cast<const float*>(b);
   int64_t fR = R;
   std::unique_ptr<float[]> wide_a, wide_b;  // written whole before they are read
   if (dt != 0 && big_rows) {
@@ -392,11 +393,11 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   }
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
   std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, static_cast<const float*>(fb), offs, S,
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, offs, S,
                   std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0), std::vector<float>(M, 0.f)};
   if (big.groups()) {
-    loom_lora_shrink(A, lda, fa, 0, S, fR, K, big.tok.data(), big.seg.data(), big.rows.data(),
-                     big.ranks.data(), big.groups(), coef.data(), coef_ld, rank_pad, nthreads);
+    loom_lora_shrink(A, lda, fa, S, fR, K, big.tok.data(), big.seg.data(), big.rows.data(), big.ranks.data(),
+                     big.groups(), coef.data(), coef_ld, rank_pad, nthreads);
     for (int64_t g = 0; g < big.groups(); ++g)
       for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) {
         ep.row[big.tok[i]] = big.rows[g];

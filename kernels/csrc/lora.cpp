@@ -402,10 +402,11 @@ void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t 
 
 // The shrink alone: coef[tok * coef_ld + s * rank_pad + r] = x[tok] . a[s, rows[g] + r] for the tokens of group
 // g, r < ranks[g] (rank_pad >= every rank rounded up to 4; entries past a token's rank are scratch). Tokens of no
-// group are not written. With loom_gemm_lora, the LoRA of a packed linear layer without a pass over y of its own.
-void loom_lora_shrink(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
-                      const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G,
-                      float* coef, int64_t coef_ld, int64_t rank_pad, int nthreads) {
+// group are not written. With loom_gemm_lora, the LoRA of a packed linear layer without a pass over y of its own
+// (which hands it float32 rows: 16-bit pools' rows widened first).
+void loom_lora_shrink(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const int64_t* tok,
+                      const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G, float* coef,
+                      int64_t coef_ld, int64_t rank_pad, int nthreads) {
   const LoraItems items(seg, ranks, G, nthreads);
   const int64_t n_items = items.size(), tile = items.tile;
   if (n_items == 0) return;
@@ -417,16 +418,11 @@ void loom_lora_shrink(const float* x, int64_t xs, const void* a, int dt, int64_t
     for (int64_t w = 0; w < n_items; ++w) {
       const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
       for (int64_t i = 0; i < nt; ++i) xr[i] = x + tok[t0 + i] * xs;
-      with_type(dt, [&](auto tag) {
-        using T = decltype(tag);
-        for (int64_t s = 0; s < S; ++s) {
-          shrink_tile(xr.data(), nt, static_cast<const T*>(a) + (s * R + rows[g]) * K, K, ranks[g], buf.data(),
-                      rank_pad);
-          for (int64_t i = 0; i < nt; ++i)
-            std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad,
-                        rank_pad * sizeof(float));
-        }
-      });
+      for (int64_t s = 0; s < S; ++s) {
+        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data(), rank_pad);
+        for (int64_t i = 0; i < nt; ++i)
+          std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad, rank_pad * sizeof(float));
+      }
     }
   }
 }
