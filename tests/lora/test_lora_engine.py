@@ -75,6 +75,8 @@ def test_mixed_batch_matches_peft(base, root, kernels, monkeypatch):
     params = SamplingParams(max_tokens=n_tokens, logprobs=2, **GREEDY)
     groups = []
     reg = llm.engine.adapters
+    for n in sorted({n for n in names if n}):  # loaded up front: first uses load in the background
+        reg.load(n)
     orig = reg.build_lora_meta
 
     def spy(refs, num_tokens):
