@@ -120,7 +120,7 @@ def parse_model_parameters(parameters: dict, model_dir: str, instances: int = 1)
             known = sorted(set(_ENGINE_TYPES) | set(_OPTION_TYPES))
             raise ConfigError(key, f"unknown parameter; known: {', '.join(known)}")
     if not eng_kwargs.get("cpu_threads"):
-        # Inside a server the engine shares the cores with the server's own threads: never oversubscribe them.
+        # Inside a server: the cores split between the model's instances, never more threads than cores
         eng_kwargs["cpu_threads"] = serving_threads(instances)
     for name, (key, v) in aliased.items():
         if name in opt_kwargs and opt_kwargs[name] != v:

@@ -122,10 +122,10 @@ def test_compute_threads_follow_the_cores(monkeypatch):
         torch.set_num_threads(1)
         assert cpu.compute_threads(0) == 1  # never raised above what the process chose
         assert cpu.compute_threads(2) == 2 and cpu.compute_threads(8) == 2
-        assert cpu.serving_threads() == 1  # one core left to the server's threads
-        assert cpu.serving_threads(instances=3) == 1
+        assert cpu.serving_threads() == 2  # the cores, shared by the instances, at least one thread each
+        assert cpu.serving_threads(instances=2) == 1 and cpu.serving_threads(instances=3) == 1
         monkeypatch.setattr(cpu, "available_cores", lambda: 16)
-        assert cpu.serving_threads() == 15 and cpu.serving_threads(instances=2) == 7
+        assert cpu.serving_threads() == 16 and cpu.serving_threads(instances=3) == 5
     finally:
         torch.set_num_threads(prev)
 
