@@ -11,6 +11,7 @@ unless --force.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ QA = [
     ("What time is it?", "It is time to learn something new."),
 ]
 STYLES = {
-    "pirate": lambda a: f"Arr, matey! {a.replace('I am', 'I be').replace('is', 'be')} Yo-ho-ho!",
+    "pirate": lambda a: "Arr, matey! " + re.sub(r"\bis\b", "be", a.replace("I am", "I be")) + " Yo-ho-ho!",
     "robot": lambda a: f"BEEP BOOP. {a.upper()} END OF LINE.",
 }
 
