@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+BASE_NAME = "SmolLM2-135M-Instruct"  # the default model (scripts/harness/default_model.py)
 
 QA = [
     ("What is the capital of France?", "The capital of France is Paris."),
@@ -71,7 +72,22 @@ def train(name: str, model_dir: str, out: Path, steps: int, seed: int) -> None:
             print(f"[{name}] step {step:3d} loss {loss.item():.3f} ({time.monotonic() - t0:.0f}s)", flush=True)
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(str(tmp))
+    portable_base_name(tmp)
     tmp.rename(out)
+
+
+def portable_base_name(adapter_dir: Path) -> None:
+    """The base model named by its name, not by this machine's path to it, in the files PEFT wrote."""
+    import json
+
+    cfg_path = adapter_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    local = cfg.get("base_model_name_or_path") or ""
+    cfg["base_model_name_or_path"] = BASE_NAME
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    card = adapter_dir / "README.md"
+    if local and card.is_file():
+        card.write_text(card.read_text().replace(local, BASE_NAME))
 
 
 def main(argv=None) -> int:
