@@ -74,11 +74,11 @@ def compute_threads(requested: int) -> int:
 
 
 def serving_threads(instances: int = 1) -> int:
-    """Default inside a server: the available cores, shared between the model's instances; at least 1. Not
-    fewer for the server's own threads (gRPC, the stub, the senders): they mostly wait, and the compute threads'
-    waits sleep once the loop thread is the only one opening parallel regions (cpu_ext.serial_thread,
-    on_a_passing_thread). The default model on 2 cores, 2 threads against 1 in the server: 1.38x / 1.22x / 1.23x
-    output tokens/s at concurrency 1 / 16 / 64, lower TTFT and ITL at every percentile (docs/BENCHMARKS.md)."""
+    """Default inside a server: the available cores, shared between the model's instances; at least 1. None is
+    kept back for the server's own threads (gRPC, the stub, the senders), which need little CPU: with the engine's
+    OpenMP team the process's only one (cpu_ext.serial_thread, on_a_passing_thread), the default model on 2 cores
+    with 2 threads against 1 in the server: 1.38x / 1.22x / 1.23x output tokens/s at concurrency 1 / 16 / 64,
+    lower TTFT and ITL at every percentile (docs/BENCHMARKS.md)."""
     return max(1, available_cores() // max(1, instances))
 
 
