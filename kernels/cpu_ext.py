@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -234,20 +235,8 @@ def on_a_passing_thread(fn: Callable[[], T]) -> T:
     parallel regions must not leave an OpenMP team on the calling thread: a server builds its engine (load, pack,
     warm-up) on one thread and steps it on another, and the builder's team would stay beside the stepping thread's
     (see serial_thread; two threads, decode steps 34 -> 55 ms). A team ends with the thread that opened it."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="loom-build")
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-build") as pool:  # its exit joins the thread
+        return pool.submit(fn).result()
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ unless --force.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -78,8 +79,6 @@ def train(name: str, model_dir: str, out: Path, steps: int, seed: int) -> None:
 
 def portable_base_name(adapter_dir: Path) -> None:
     """The base model named by its name, not by this machine's path to it, in the files PEFT wrote."""
-    import json
-
     cfg_path = adapter_dir / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
     local = cfg.get("base_model_name_or_path") or ""
