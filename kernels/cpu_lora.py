@@ -9,8 +9,9 @@ lora_expand_ref; anything the C++ kernel does not take runs those references.
 A layer whose weight is packed for the C++ GEMM (kernels/cpu_linear.py) calls linear_lora_cpu instead: the GEMM
 adds the deltas of groups of FUSE_MIN_TOKENS or more tokens to its output tiles while they are in cache (a
 prefill chunk's output is not read back from memory for its LoRA); smaller groups (decode) take the pass above,
-with several threads beside the GEMM (the pass streams adapter rows from memory while the GEMM is bound by its
-FMAs), else after it. Bitwise the same as the GEMM followed by lora_apply_cpu.
+interleaved with the GEMM's panels (the GEMM's tiles fetch the next work item's adapter rows while their FMAs run:
+the pass's bytes stream while the GEMM is bound by its FMAs). Bitwise the same as the GEMM followed by
+lora_apply_cpu.
 """
 from __future__ import annotations
 

@@ -206,9 +206,10 @@ def report(results: dict, args) -> str:
             gbps, nbytes = res["stream_gb_s"], n * results["adapter_bytes"]
             cap = distinct_ceiling(res["no_lora"]["tokens_per_s"], n, args.max_tokens, results["adapter_bytes"], gbps)
             lines.append(f"loom ({t}t): {n} distinct adapters read {nbytes / 1e6:.0f} MB a decode step; at the "
-                         f"{gbps:.1f} GB/s this machine reads on {t} thread(s), that alone caps the distinct ratio at "
-                         f"{cap:.2f} (LoRA FLOPs not counted)")
-            ceiling = f" (memory-bandwidth ceiling {cap:.2f})"
+                         f"{gbps:.1f} GB/s this machine reads on {t} thread(s), reading them after the rest of the "
+                         f"step would cap the distinct ratio at {cap:.2f} (LoRA FLOPs not counted; loom reads them "
+                         f"while its GEMMs compute)")
+            ceiling = f" (bound if read after the GEMMs {cap:.2f})"
         rounds = res.get("rounds") or []
         if len(rounds) > 1:  # ratios within each round (its three scenarios ran back to back)
             per = [adapter_ratios({s: {"tokens_per_s": r[s]} for s in SCENARIOS}) for r in rounds]

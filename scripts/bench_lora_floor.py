@@ -11,8 +11,9 @@ projections, `--tokens` decode tokens (one per sequence):
 
 Scenarios alternate round by round (`--rounds`, best of each). The floor of a scenario's added time is
 max(adapter bytes it must read / the streaming bandwidth measured here, its FLOPs / the rate the GEMMs reached);
-`added / floor` near 1 means the adapter path costs what its bytes or FLOPs are. The adapter rows are read
-after the GEMM that they add to (overlapping them with the GEMM was tried: see docs/BENCHMARKS.md).
+`added / floor` near 1 means the adapter path costs what its bytes or FLOPs are. In the distinct scenario the GEMM's
+tiles fetch the adapter rows while they compute (kernels/csrc/gemm.cpp, gemm_with_pass), so the added time can be
+below the bytes' floor where the GEMMs leave bandwidth unused.
 
     python scripts/bench_lora_floor.py                       # default model, 32 tokens, rank 16, one thread
     python scripts/bench_lora_floor.py --tokens 64 --rank 8

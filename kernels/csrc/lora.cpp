@@ -293,6 +293,34 @@ inline void touch_adapter(const T* a, int64_t S, int64_t R, int64_t K, int64_t r
   touch(bb + ib, nb - ib, sink);
 }
 
+// Cache lines to ask for ahead of their use, a chunk at a time: a work item's adapter rows, as up to 8 byte ranges
+// (its A slices, then its B rows) that the GEMM's tiles prefetch into L2 while their FMAs run (see gemm_with_pass).
+struct Ahead {
+  const char* p[8];
+  int64_t n[8];  // bytes
+  int cnt = 0, cur = 0, per_k = 1;
+  int64_t off = 0;  // bytes of p[cur] already asked for
+
+  void clear() { cnt = cur = 0, off = 0; }
+  void add(const void* q, int64_t bytes) {
+    if (bytes > 0 && cnt < 8) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
+  }
+  bool done() const { return cur >= cnt; }
+  // the next up to `lines` cache lines, within one range: (start, lines)
+  std::pair<const char*, int64_t> take(int64_t lines) {
+    if (done()) return {nullptr, 0};
+    const int64_t k = std::min(lines, (n[cur] - off + 63) / 64);
+    const char* q = p[cur] + off;
+    off += 64 * k;
+    if (off >= n[cur]) ++cur, off = 0;
+    return {q, k};
+  }
+  // what is left, read now (touch: plain loads, in order)
+  void finish(float& sink) {
+    for (; cur < cnt; ++cur, off = 0) touch(p[cur] + off, n[cur] - off, sink);
+  }
+};
+
 // Work items of a LoRA pass: tiles of up to LORA_MAX_TILE tokens of one group with a rank (fewer tokens per tile
 // when that would leave threads idle).
 struct LoraItems {
@@ -343,7 +371,24 @@ struct LoraPass {
   };
   int64_t rank_pad() const { return (items.max_rank + 3) / 4 * 4; }
 
-  template <bool STORE = false>
+  int64_t elem_bytes() const { return dt == 0 ? 4 : 2; }
+  // item w's adapter rows (A slice by slice, then B)
+  void rows_of(int64_t w, Ahead& ah) const {
+    const int64_t g = items.g[w], es = elem_bytes(), rk = ranks[g];
+    const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
+    ah.clear();
+    for (int64_t s = 0; s < S; ++s) ah.add(pa + (s * R + rows[g]) * K * es, rk * K * es);
+    ah.add(pb + int64_t(rows[g]) * N * es, rk * N * es);
+  }
+  // cache lines of all the items' adapter rows
+  int64_t lines() const {
+    int64_t n = 0;
+    for (const int64_t g : items.g) n += (ranks[g] * (S * K + N) * elem_bytes() + 63) / 64;
+    return n;
+  }
+
+  // FETCHED: the rows are in cache already (rows_of's ranges, asked for ahead), so no touch_adapter sweep first
+  template <bool STORE = false, bool FETCHED = false>
   void run(int64_t w, Scratch& sc, float* out = nullptr, int64_t out_ld = 0) const {
     const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(items.tile, seg[g + 1] - t0);
     const int64_t tile = items.tile, rp = rank_pad();
@@ -354,7 +399,7 @@ struct LoraPass {
     with_type(dt, [&](auto tag) {
       using T = decltype(tag);
       const T *pa = static_cast<const T*>(a), *pb = static_cast<const T*>(b);
-      touch_adapter(pa, S, R, K, rows[g], ranks[g], pb, N, sc.sink);
+      if constexpr (!FETCHED) touch_adapter(pa, S, R, K, rows[g], ranks[g], pb, N, sc.sink);
       for (int64_t s = 0; s < S; ++s)
         shrink_tile(sc.xr.data(), nt, pa + (s * R + rows[g]) * K, K, ranks[g], sc.buf.data() + s * tile * rp, rp);
       for (int64_t s = 0; s < S; ++s)

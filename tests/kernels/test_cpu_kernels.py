@@ -152,15 +152,16 @@ def test_lora_cpu_vs_reference(threads, num_tokens, ranks, monkeypatch):
     assert kcases.rel_err(yw[:, :300] - y0, want - y0) < 1e-5
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])  # several: decode groups beside the GEMM on other threads
+@pytest.mark.parametrize("threads", [1, 2, 3])  # decode groups interleaved with the panels on each thread
 @pytest.mark.parametrize("fuse_min", [None, 1])  # None: the default split; 1: every group in the GEMM's tiles
-@pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens", "decode"])
+@pytest.mark.parametrize("case", ["prefill chunks", "scattered tokens", "decode", "decode, wide"])
 def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
     """The packed GEMM that adds the LoRA deltas to its output tiles gives bitwise the GEMM followed by the one-pass
     LoRA kernel (so also the references' result), for groups of consecutive tokens (whole and partial row tiles,
     tokens without an adapter between them), for scattered tokens and for one token per adapter (decode: tiles of
     one token), slices of widths that are no multiple of the GEMM's panel (24 or 48 columns) or of 16, ranks that
-    are no multiple of 4, with a bias."""
+    are no multiple of 4, with a bias. "decode, wide": panels enough that the GEMM's tiles fetch some adapters' rows
+    ahead and their tokens' deltas are computed between panels, the rest after them."""
     from loom.kernels import cpu_lora
     from loom.kernels.cpu_linear import PackedWeight
 
@@ -173,9 +174,14 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
         meta, R, owner = kcases.contiguous_lora_meta(runs, [16, 5, 8, 64])
     elif case == "decode":
         meta, R, owner = kcases.contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
+    elif case == "decode, wide":
+        order = [5, 2, 0, -1, 7, 3, 1, 9, 4, -1, 8, 6]
+        meta, R, owner = kcases.contiguous_lora_meta([(g, 1) for g in order], [16, 5, 8, 3, 1, 7, 12, 4, 9, 2])
     else:
         meta, R, owner = kcases.make_lora_meta(90, [16, 5, 8, 64], "cpu")
     T, K, offs = len(owner), 40, [0, 48, 61, 61 + 130]
+    if case == "decode, wide":
+        K, offs = 263, [0, 517, 650, 650 + 709]
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
     pw = PackedWeight(w, bias)
     x, a, b = torch.randn(T, K), torch.randn(3, R, K), torch.randn(R, offs[-1])
