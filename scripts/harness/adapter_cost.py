@@ -38,11 +38,11 @@ def stream_gbps(mb: int = 256, reps: int = 5) -> float:
 
 
 def distinct_ceiling(no_lora_tps: float, requests: int, max_tokens: int, adapter_bytes: int, gbps: float) -> float:
-    """The best distinct-adapter / no-LoRA tokens/s ratio memory bandwidth allows: `requests` requests decoding
-    together, each on its own adapter, read every adapter's rows once per decode step (max_tokens - 1 of them;
-    the first token comes from the prefill) on top of the no-LoRA run's time. LoRA FLOPs are left out; the reads are
-    counted as if nothing else ran meanwhile, and the C++ pass fetches them while the GEMMs compute, which can beat
-    this bound where the GEMMs leave bandwidth unused."""
+    """The distinct-adapter / no-LoRA tokens/s ratio left when reading the adapters adds its time to the no-LoRA
+    run's: `requests` requests decoding together, each on its own adapter, read every adapter's rows once per decode
+    step (max_tokens - 1 of them; the first token comes from the prefill) at `gbps`. LoRA FLOPs are left out. The
+    C++ pass fetches the rows while the GEMMs compute, which beats this bound where the GEMMs leave bandwidth
+    unused."""
     base_s = requests * max_tokens / no_lora_tps
     read_s = (max_tokens - 1) * requests * adapter_bytes / (gbps * 1e9)
     return base_s / (base_s + read_s)
