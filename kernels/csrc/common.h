@@ -148,6 +148,13 @@ inline void with_type(int code, F&& f) {
     f(float{});
 }
 
+// bytes of an element of that type
+inline int64_t type_bytes(int code) {
+  int64_t n = 0;
+  with_type(code, [&](auto t) { n = sizeof(t); });
+  return n;
+}
+
 // Loads one byte of every cache line of p[0:n], in address order, into `sink` (which the caller keeps, so that the
 // loads are not compiled away). A core keeps more of these plain loads in flight than software prefetches, and an
 // ascending sweep is what the hardware prefetchers follow: data read soon after, in another order, comes from cache.

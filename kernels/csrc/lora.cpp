@@ -371,10 +371,9 @@ struct LoraPass {
   };
   int64_t rank_pad() const { return (items.max_rank + 3) / 4 * 4; }
 
-  int64_t elem_bytes() const { return dt == 0 ? 4 : 2; }
   // item w's adapter rows (A slice by slice, then B)
   void rows_of(int64_t w, Ahead& ah) const {
-    const int64_t g = items.g[w], es = elem_bytes(), rk = ranks[g];
+    const int64_t g = items.g[w], es = type_bytes(dt), rk = ranks[g];
     const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
     ah.clear();
     for (int64_t s = 0; s < S; ++s) ah.add(pa + (s * R + rows[g]) * K * es, rk * K * es);
@@ -383,7 +382,7 @@ struct LoraPass {
   // cache lines of all the items' adapter rows
   int64_t lines() const {
     int64_t n = 0;
-    for (const int64_t g : items.g) n += (ranks[g] * (S * K + N) * elem_bytes() + 63) / 64;
+    for (const int64_t g : items.g) n += (ranks[g] * (S * K + N) * type_bytes(dt) + 63) / 64;
     return n;
   }
 
