@@ -60,7 +60,6 @@ _SIGNATURES = {
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],
-    "loom_lora_shrink": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I32],
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
                        _I64, _I64, _I64, _I32],
     "loom_decoder_layer_workspace": [_P, _I64],

@@ -23,22 +23,105 @@ constexpr int SHRINK_ROWS = 4;
 constexpr int SHRINK_ROWS = 3;
 #endif
 
-// out[i * 4 + j] = x_i . a_j for TI token rows and 4 rank rows of K floats: per (i, j) 8 lanes of fma chains over
-// k = lane mod 8, then hsum. With AVX-512 a vector holds two rank rows' 8 lanes side by side, so each lane's
-// arithmetic, and the result, is the AVX2 loop's to the bit at twice the width (a prefill chunk of 2,048 tokens on one
-// adapter, every layer of the default model, Zen 5 core: 195-252 -> 103-145 ms added to the GEMMs, of which about 95
-// are the LoRA's FLOPs at the GEMMs' rate).
-template <int TI, class T>
-inline void shrink_block(const float* const* x, const T* const* a, int64_t K, float* out) {
+// Rank rows of A as the shrink reads them, N at a time: a pair of rows' 8 columns from k side by side (AVX-512), one
+// row's 8 (AVX2), one element (tails). In the pool (RowPtrs: the pair from two rows, put side by side), or packed by
+// pack_pairs (PairedRows: one load).
+template <class T, int N>
+struct RowPtrs {
+  const T* r[N];
+#ifdef __AVX512F__
+  __m512 pair(int h, int64_t k) const { return load_pair(r[2 * h] + k, r[2 * h + 1] + k); }
+#endif
+#ifdef __AVX2__
+  __m256 row8(int j, int64_t k) const { return load8(r[j] + k); }
+#endif
+  float at(int j, int64_t k) const { return to_f32(r[j][k]); }
+};
+
+template <int N>
+struct PairedRows {
+  const float* p[N / 2];
+  int64_t k8, tail;  // columns side by side; the rest, a row after the other
+#ifdef __AVX512F__
+  __m512 pair(int h, int64_t k) const { return _mm512_loadu_ps(p[h] + 2 * k); }
+#endif
+#ifdef __AVX2__
+  __m256 row8(int j, int64_t k) const { return _mm256_loadu_ps(p[j / 2] + 2 * k + 8 * (j & 1)); }
+#endif
+  float at(int j, int64_t k) const {
+    return k < k8 ? p[j / 2][(k & ~int64_t(7)) + k + 8 * (j & 1)] : p[j / 2][2 * k8 + (j & 1) * tail + k - k8];
+  }
+};
+
+// An adapter slice's rank rows [rank, K] in the pool: block<N>(r0) reads rows r0 .. r0 + N - 1 (past the rank: its
+// last row, whose products land in padding)
+template <class T>
+struct InPool {
+  const T* a;
+  int64_t K, rank;
+  template <int N>
+  RowPtrs<T, N> block(int64_t r0) const {
+    RowPtrs<T, N> rows;
+    for (int j = 0; j < N; ++j) rows.r[j] = a + std::min<int64_t>(r0 + j, rank - 1) * K;
+    return rows;
+  }
+};
+
+// The same rows packed by pack_pairs: 2K floats a pair of rows (past the rank: its last pair)
+struct Paired {
+  const float* a;
+  int64_t K, rank;
+  template <int N>
+  PairedRows<N> block(int64_t r0) const {
+    PairedRows<N> rows;
+    const int64_t last = (rank - 1) / 2;
+    for (int h = 0; h < N / 2; ++h) rows.p[h] = a + std::min<int64_t>(r0 / 2 + h, last) * 2 * K;
+    rows.k8 = K / 8 * 8;
+    rows.tail = K - rows.k8;
+    return rows;
+  }
+};
+
+// floats of one slice's rows packed by pack_pairs
+inline int64_t paired_floats(int64_t rank, int64_t K) { return (rank + 1) / 2 * 2 * K; }
+
+// Rank rows [rank, K] -> Paired's layout: for each pair of rows (2h, min(2h + 1, rank - 1)) their first K / 8 * 8
+// columns 8 at a time side by side, then the first row's tail, then the second's. A prefill chunk's shrink then loads
+// a pair of rows' 8 columns whole (a pool's rows are put side by side a shuffle each).
+template <class T>
+void pack_pairs(const T* a, int64_t rank, int64_t K, float* out) {
+  const int64_t k8 = K / 8 * 8;
+  for (int64_t h = 0; h < (rank + 1) / 2; ++h, out += 2 * K) {
+    const T *r0 = a + 2 * h * K, *r1 = a + std::min(2 * h + 1, rank - 1) * K;
+    for (int64_t k = 0; k < k8; k += 8)
+      for (int64_t i = 0; i < 8; ++i) out[2 * k + i] = to_f32(r0[k + i]), out[2 * k + 8 + i] = to_f32(r1[k + i]);
+    widen(r0 + k8, out + 2 * k8, K - k8);
+    widen(r1 + k8, out + K + k8, K - k8);
+  }
+}
+
+// x's 8 floats from p in both halves of a vector
+#ifdef __AVX512F__
+inline __m512 twice8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
+}
+#endif
+
+// out[i * 4 + j] = x_i . a_j for TI token rows and 4 rank rows (A: RowPtrs or PairedRows) of K floats: per (i, j) 8
+// lanes of fma chains over k = lane mod 8, then hsum. With AVX-512 a vector holds two rank rows' 8 lanes side by
+// side, so each lane's arithmetic, and the result, is the AVX2 loop's to the bit at twice the width (a prefill chunk
+// of 2,048 tokens on one adapter, every layer of the default model, Zen 5 core: 195-252 -> 103-145 ms added to the
+// GEMMs, of which about 95 are the LoRA's FLOPs at the GEMMs' rate).
+template <int TI, class A>
+inline void shrink_block(const float* const* x, const A& a, int64_t K, float* out) {
   int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    const __m512 a01 = load_pair(a[0] + k, a[1] + k), a23 = load_pair(a[2] + k, a[3] + k);
+    const __m512 a01 = a.pair(0, k), a23 = a.pair(1, k);
     for (int i = 0; i < TI; ++i) {
-      const __m256 xh = _mm256_loadu_ps(x[i] + k);
-      const __m512 xv = pair256(xh, xh);
+      const __m512 xv = twice8(x[i] + k);
       acc[i][0] = _mm512_fmadd_ps(xv, a01, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(xv, a23, acc[i][1]);
     }
@@ -53,7 +136,7 @@ inline void shrink_block(const float* const* x, const T* const* a, int64_t K, fl
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    const __m256 a0 = load8(a[0] + k), a1 = load8(a[1] + k), a2 = load8(a[2] + k), a3 = load8(a[3] + k);
+    const __m256 a0 = a.row8(0, k), a1 = a.row8(1, k), a2 = a.row8(2, k), a3 = a.row8(3, k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + k);
       acc[i][0] = _mm256_fmadd_ps(xv, a0, acc[i][0]);
@@ -69,7 +152,7 @@ inline void shrink_block(const float* const* x, const T* const* a, int64_t K, fl
 #endif
   for (; k < K; ++k)
     for (int i = 0; i < TI; ++i)
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * to_f32(a[j][k]);
+      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a.at(j, k);
 }
 
 // y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time. STORE: y_i[c]
@@ -133,18 +216,17 @@ inline void expand_block(float* const* y, const float* const* coef, const T* b, 
 // the GEMM: no change); then the 8 rows for every tile: one adapter's decode step -0.3 / -0.6 ms (two / one thread,
 // 10 of 15), a 2,048-token prefill chunk +20 and -33 ms (one adapter, two runs), -66 ms (32 adapters, bfloat16, 7
 // of 7) of ~2.4 s.
-template <int TI, class T>
-inline void shrink_rows8(const float* const* x, const T* const* a, int64_t K, float* out) {
+template <int TI, class A>
+inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* out) {
   __m512 acc[TI][4];
   for (int i = 0; i < TI; ++i)
     for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m512 av[4];
-    for (int h = 0; h < 4; ++h) av[h] = load_pair(a[2 * h] + k, a[2 * h + 1] + k);
+    for (int h = 0; h < 4; ++h) av[h] = a.pair(h, k);
     for (int i = 0; i < TI; ++i) {
-      const __m256 xh = _mm256_loadu_ps(x[i] + k);
-      const __m512 xv = pair256(xh, xh);
+      const __m512 xv = twice8(x[i] + k);
       for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_fmadd_ps(xv, av[h], acc[i][h]);
     }
   }
@@ -155,7 +237,7 @@ inline void shrink_rows8(const float* const* x, const T* const* a, int64_t K, fl
     }
   for (; k < K; ++k)
     for (int i = 0; i < TI; ++i)
-      for (int j = 0; j < 8; ++j) out[i * 8 + j] += x[i][k] * to_f32(a[j][k]);
+      for (int j = 0; j < 8; ++j) out[i * 8 + j] += x[i][k] * a.at(j, k);
 }
 
 template <bool STORE, class T>
@@ -171,31 +253,30 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 }
 #endif
 
-// The tile's shrink: buf[i * rank_pad + r] = x_i . a_r, rank rows in blocks of 4 (the last block repeats
-// its last row; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
-template <class T>
-void shrink_tile(const float* const* x, int64_t nt, const T* a, int64_t K, int64_t rank, float* buf, int64_t rank_pad) {
+// The tile's shrink: buf[i * rank_pad + r] = x_i . a_r (a: InPool or Paired), rank rows in blocks of 4 (the last
+// block repeats rows; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
+template <class Rows>
+void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
+                 int64_t rank_pad) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
 #ifdef __AVX512F__
   float out8[SHRINK_ROWS * 8];
   for (; r0 + 8 <= rank; r0 += 8) {
-    const T* ar[8];
-    for (int j = 0; j < 8; ++j) ar[j] = a + (r0 + j) * K;
+    const auto rows = a.template block<8>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_rows8<decltype(r)::value>(x + i0, ar, K, out8); });
+      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_rows8<decltype(r)::value>(x + i0, rows, K, out8); });
       for (int64_t i = 0; i < ti; ++i)
         for (int j = 0; j < 8; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out8[i * 8 + j];
     }
   }
 #endif
   for (; r0 < rank; r0 += 4) {
-    const T* ar[4];
-    for (int j = 0; j < 4; ++j) ar[j] = a + std::min(r0 + j, rank - 1) * K;
+    const auto rows = a.template block<4>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_block<decltype(r)::value>(x + i0, ar, K, out); });
+      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_block<decltype(r)::value>(x + i0, rows, K, out); });
       for (int64_t i = 0; i < ti; ++i)
         for (int j = 0; j < 4; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out[i * 4 + j];
     }
@@ -400,7 +481,8 @@ struct LoraPass {
       const T *pa = static_cast<const T*>(a), *pb = static_cast<const T*>(b);
       if constexpr (!FETCHED) touch_adapter(pa, S, R, K, rows[g], ranks[g], pb, N, sc.sink);
       for (int64_t s = 0; s < S; ++s)
-        shrink_tile(sc.xr.data(), nt, pa + (s * R + rows[g]) * K, K, ranks[g], sc.buf.data() + s * tile * rp, rp);
+        shrink_tile(sc.xr.data(), nt, InPool<T>{pa + (s * R + rows[g]) * K, K, ranks[g]}, K, ranks[g],
+                    sc.buf.data() + s * tile * rp, rp);
       for (int64_t s = 0; s < S; ++s)
         expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, pb + int64_t(rows[g]) * N, N,
                            ranks[g], scal[g], offs[s], offs[s + 1]);
@@ -441,33 +523,6 @@ void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < n_items; ++w) pass.run(w, sc);
     keep(sc.sink);
-  }
-}
-
-// The shrink alone: coef[tok * coef_ld + s * rank_pad + r] = x[tok] . a[s, rows[g] + r] for the tokens of group
-// g, r < ranks[g] (rank_pad >= every rank rounded up to 4; entries past a token's rank are scratch). Tokens of no
-// group are not written. With loom_gemm_lora, the LoRA of a packed linear layer without a pass over y of its own
-// (which hands it float32 rows: 16-bit pools' rows widened first).
-void loom_lora_shrink(const float* x, int64_t xs, const float* a, int64_t S, int64_t R, int64_t K, const int64_t* tok,
-                      const int32_t* seg, const int32_t* rows, const int32_t* ranks, int64_t G, float* coef,
-                      int64_t coef_ld, int64_t rank_pad, int nthreads) {
-  const LoraItems items(seg, ranks, G, nthreads);
-  const int64_t n_items = items.size(), tile = items.tile;
-  if (n_items == 0) return;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
-  {
-    std::vector<float> buf(tile * rank_pad);
-    std::vector<const float*> xr(tile);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items; ++w) {
-      const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(tile, seg[g + 1] - t0);
-      for (int64_t i = 0; i < nt; ++i) xr[i] = x + tok[t0 + i] * xs;
-      for (int64_t s = 0; s < S; ++s) {
-        shrink_tile(xr.data(), nt, a + (s * R + rows[g]) * K, K, ranks[g], buf.data(), rank_pad);
-        for (int64_t i = 0; i < nt; ++i)
-          std::memcpy(coef + tok[t0 + i] * coef_ld + s * rank_pad, buf.data() + i * rank_pad, rank_pad * sizeof(float));
-      }
-    }
   }
 }
 
