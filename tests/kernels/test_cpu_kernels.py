@@ -170,7 +170,7 @@ def test_gemm_with_lora_is_gemm_then_lora(threads, fuse_min, case, monkeypatch):
         monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
     torch.manual_seed(5)
     if case == "prefill chunks":
-        runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 75)]  # 75: a group whose A rows are packed
+        runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (1, 1), (3, 260)]  # 260: a group whose A rows are packed
         meta, R, owner = kcases.contiguous_lora_meta(runs, [16, 5, 8, 64])
     elif case == "decode":
         meta, R, owner = kcases.contiguous_lora_meta([(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)], [16, 5, 8, 64])
@@ -206,7 +206,7 @@ def test_a_tokens_lora_delta_does_not_depend_on_its_tile(rank, pool_dtype, monke
 
     monkeypatch.setattr(cpu_ext, "nthreads", lambda: 1)
     torch.manual_seed(3)
-    T, K, offs = 70, 43, [0, 48, 61, 61 + 130]  # one group of 70: its A rows packed for the shrink
+    T, K, offs = 260, 43, [0, 48, 61, 61 + 130]  # one group of 260: its A rows packed for the shrink
 
     def meta(groups: int) -> LoraBatchMeta:
         per = T // groups
@@ -237,7 +237,7 @@ def test_16_bit_pools_give_the_bits_of_their_float32_values(pool_dtype, threads,
 
     monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
     torch.manual_seed(7)
-    runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (3, 75)] if case == "prefill chunks" else \
+    runs = [(0, 37), (-1, 3), (1, 20), (2, 2), (3, 260)] if case == "prefill chunks" else \
         [(2, 1), (0, 1), (-1, 1), (3, 1), (1, 1)]
     meta, R, owner = kcases.contiguous_lora_meta(runs, [16, 5, 8, 64])
     T, K, offs = len(owner), 43, [0, 48, 61, 61 + 130]
