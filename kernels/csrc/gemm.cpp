@@ -124,28 +124,29 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, fl
 }
 #endif
 
-// The LoRA deltas a packed GEMM adds to its output tiles while they are in L1 (loom_gemm_lora): per token its
-// adapter's B rows (-1: none), rank and scaling, its group (-1: none), and its shrink coefficients (shrink, each row
-// block's before its panels); per group where its A rows are read.
+// The LoRA deltas a packed GEMM adds to its output tiles while they are in L1 (loom_gemm_lora): per token its group
+// (-1: none) and its shrink coefficients (shrink, each row block's before its panels).
 struct LoraEpilogue {
+  // a group: its B rows in b from b_row, rank and scaling; its A rows packed by pack_pairs (its slices one after
+  // another), or (packed null) read in the pool a [S, pool_rows, K] (with_type's type dt) from a_row
+  struct Group {
+    int64_t b_row, rank;
+    float scale;
+    const float* packed;
+    int64_t a_row;
+  };
   float* coef;
   int64_t coef_ld, rank_pad;
   const float* b;  // B pool [rows, N]
   const int64_t* offs;  // slice column offsets [S + 1]
   int64_t S;
-  std::vector<int32_t> row, rank;
-  std::vector<float> scale;
-  std::vector<int32_t> group;
-  // a group's A rows: packed by pack_pairs (its slices one after another), or read in the pool a [S, R, K] (of
-  // with_type's type dt) from row pool_row (packed null)
-  struct ARows {
-    const float* packed;
-    int64_t pool_row;
-  };
-  std::vector<ARows> a_rows;
   const void* a;
   int dt;
-  int64_t R;
+  int64_t pool_rows;
+  std::vector<Group> groups;
+  std::vector<int32_t> group;
+
+  const Group* of(int64_t m) const { return group[m] < 0 ? nullptr : &groups[group[m]]; }
 
   // coef for rows [m0, m1), shared out by an omp for in the GEMM's parallel region, whose barrier comes before the
   // panels' epilogues read them: chunks of up to `chunk` rows, in each the runs of one adapter's rows. A long prefill
@@ -161,18 +162,18 @@ struct LoraEpilogue {
       for (int64_t m = m0 + c * chunk, n; m < end; m += n) {
         for (n = 1; m + n < end && group[m + n] == group[m]; ++n) {
         }
-        if (group[m] < 0) continue;
+        const Group* gr = of(m);
+        if (!gr) continue;
         for (int64_t i = 0; i < n; ++i) xr[i] = A + (m + i) * lda;
-        const ARows& ar = a_rows[group[m]];
-        const int64_t rk = rank[m];
+        const int64_t rk = gr->rank;
         for (int64_t s = 0; s < S; ++s) {
           float* out = coef + m * coef_ld + s * rank_pad;
-          if (ar.packed)
-            shrink_tile(xr, n, Paired{ar.packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld);
+          if (gr->packed)
+            shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld);
           else
             with_type(dt, [&](auto tag) {
               using T = decltype(tag);
-              const T* rows = static_cast<const T*>(a) + (s * R + ar.pool_row) * K;
+              const T* rows = static_cast<const T*>(a) + (s * pool_rows + gr->a_row) * K;
               shrink_tile(xr, n, InPool<T>{rows, K, rk}, K, rk, out, coef_ld);
             });
         }
@@ -182,36 +183,37 @@ struct LoraEpilogue {
 
   // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice
   void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
+    const Group* gm = of(m);
 #if defined(__AVX512F__)
-    if (c1 - c0 == NR && row[m] >= 0 && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
+    if (c1 - c0 == NR && gm && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
       for (int64_t s = 0; s < S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           float* y = C + m * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
-          const float* bb = b + int64_t(row[m]) * N + c0;
-          with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, N, rank[m], scale[m]); });
+          const float* bb = b + gm->b_row * N + c0;
+          with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, N, gm->rank, gm->scale); });
           return;
         }
     }
 #elif defined(__AVX2__)
-    if (c1 - c0 == NR && mr == 4 && row[m] >= 0 && same_group(m, 4)) {  // a whole tile of one group: shared loads
+    if (c1 - c0 == NR && mr == 4 && gm && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
-          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + int64_t(row[m]) * N + c0, N, rank[m],
-                scale[m]);
+          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * N + c0, N, gm->rank,
+                gm->scale);
           return;
         }
     }
 #endif
-    for (int64_t i = 0; i < mr; ++i) {
-      const int64_t t = m + i;
-      if (row[t] < 0) continue;
+    for (int64_t t = m; t < m + mr; ++t) {
+      const Group* gt = of(t);
+      if (!gt) continue;
       for (int64_t s = 0; s < S; ++s) {
         const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
         if (lo >= hi) continue;
         const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
-        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + int64_t(row[t]) * N, N, rank[t], scale[t], lo,
-                   hi, vec_end);
+        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * N, N, gt->rank, gt->scale, lo, hi,
+                   vec_end);
       }
     }
   }
@@ -221,15 +223,16 @@ struct LoraEpilogue {
   // on 32 adapters of 64 tokens, every layer of the default model, Zen 5 core: 267-285 -> 140-184 ms added to the
   // GEMMs in scripts/bench_lora_floor.py --tokens 2048 --adapters 32).
   void prefetch(int64_t m, int64_t N, int64_t c0) const {
-    if (row[m] < 0) return;
-    const float* bb = b + int64_t(row[m]) * N + c0;
-    for (int64_t r = 0; r < rank[m]; ++r)
+    const Group* gm = of(m);
+    if (!gm) return;
+    const float* bb = b + gm->b_row * N + c0;
+    for (int64_t r = 0; r < gm->rank; ++r)
       for (int64_t c = 0; c < NR; c += 16) __builtin_prefetch(bb + r * N + c, 0, 3);
   }
 
   bool same_group(int64_t m, int64_t n) const {
     for (int64_t i = 1; i < n; ++i)
-      if (row[m + i] != row[m] || rank[m + i] != rank[m] || scale[m + i] != scale[m]) return false;
+      if (group[m + i] != group[m]) return false;
     return true;
   }
 
@@ -490,15 +493,11 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     });
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
   std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, offs, S, std::vector<int32_t>(M, -1), std::vector<int32_t>(M, 0),
-                  std::vector<float>(M, 0.f), std::vector<int32_t>(M, -1), {}, a, dt, R};
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, offs, S, a, dt, R, {}, std::vector<int32_t>(M, -1)};
   for (int64_t g = 0; g < big.groups(); ++g) {
-    ep.a_rows.push_back({a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
-    for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) {
-      const int64_t t = big.tok[i];
-      ep.row[t] = wide_b ? b_at[g] : big.rows[g], ep.rank[t] = big.ranks[g], ep.scale[t] = big.scal[g];
-      ep.group[t] = int32_t(g);
-    }
+    ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
+                         a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
+    for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
   }
   if (small.groups() && row_block_rows(M, mc) == M) {
     const LoraPass pass{A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(),

@@ -93,8 +93,10 @@ void pack_pairs(const T* a, int64_t rank, int64_t K, float* out) {
   const int64_t k8 = K / 8 * 8;
   for (int64_t h = 0; h < (rank + 1) / 2; ++h, out += 2 * K) {
     const T *r0 = a + 2 * h * K, *r1 = a + std::min(2 * h + 1, rank - 1) * K;
-    for (int64_t k = 0; k < k8; k += 8)
-      for (int64_t i = 0; i < 8; ++i) out[2 * k + i] = to_f32(r0[k + i]), out[2 * k + 8 + i] = to_f32(r1[k + i]);
+    for (int64_t k = 0; k < k8; k += 8) {
+      widen(r0 + k, out + 2 * k, 8);
+      widen(r1 + k, out + 2 * k + 8, 8);
+    }
     widen(r0 + k8, out + 2 * k8, K - k8);
     widen(r1 + k8, out + K + k8, K - k8);
   }
