@@ -288,9 +288,10 @@ struct LoraEpilogue {
 
 // Panel p of the output over rows [m0, m1): its row tiles, each prefetching a share of the next panel and (ahead:
 // nullable) up to ahead->per_k lines per k of what it lists
+template <class Fetch = Ahead>
 inline void gemm_panel(const float* A, int64_t lda, int64_t m0, int64_t m1, int64_t K, const float* Bp, int64_t N,
                        int64_t p, const float* bias, float* C, int64_t ldc, const LoraEpilogue* lora,
-                       Ahead* ahead = nullptr) {
+                       Fetch* ahead = nullptr) {
   const int64_t P = (N + NR - 1) / NR, panel_lines = (K * NR * 4 + 63) / 64;
   const int64_t tiles = (m1 - m0 + MR - 1) / MR, per_tile = (panel_lines + tiles - 1) / tiles;
   const float* B = Bp + p * K * NR;
@@ -339,30 +340,92 @@ int64_t row_block_rows(int64_t M, int64_t mc) { return mc >= M || mc <= 0 ? M : 
 // the next: where x is larger than the last-level cache can keep beside the weights (a long prefill chunk), a block
 // of x stays in L2 while the panels stream over it instead of x streaming from memory once per panel. Each output
 // element's arithmetic does not depend on mc.
+//
+// fetch (nullable): byte ranges that the next call will read (the next linear's adapter rows, see layer.cpp), which
+// every thread's tiles ask for into L2 in the first row block, a line a k, while their FMAs run.
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
-          int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora) {
+          int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora, const Ahead* fetch = nullptr) {
   const int64_t P = (N + NR - 1) / NR;
   mc = row_block_rows(M, mc);
   for (int64_t m0 = 0; m0 < M; m0 += mc) {
     const int64_t m1 = std::min(M, m0 + mc);
 #pragma omp parallel num_threads(nthreads)
     {
+      Ahead ah;
+      if (fetch && m0 == 0) ah = *fetch;
       if (lora) lora->shrink(A, lda, K, m0, m1, shrink_chunk(m1 - m0, nthreads));
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < P; ++p) gemm_panel(A, lda, m0, m1, K, Bp, N, p, bias, C, ldc, lora);
+      for (int64_t p = 0; p < P; ++p)
+        gemm_panel(A, lda, m0, m1, K, Bp, N, p, bias, C, ldc, lora, ah.done() ? nullptr : &ah);
     }
   }
 }
 
+// Bytes of pass items whose rows a thread has asked for and not yet run: a quarter of a 1 MiB L2 (Zen 4 and 5), beside
+// the GEMM's panels and x. 32 decode tokens on 32 adapters, every layer of the default model, LoRA added to the GEMMs,
+// one item at a time / this, alternating in one process: one thread 20.9 -> 17.4 ms, two 24.8 -> 22.3 ms; 128 KiB no
+// gain (a q|k|v item is 171 KiB), 512 KiB to 4 MiB as 256.
+constexpr int64_t PASS_AHEAD_BYTES = 256 << 10;
+
+// The items of a LoRA pass one thread claims and has its GEMM tiles ask for (into L2, per_k lines a k): as soon as one
+// item's rows were all asked for, the next item is claimed and its rows asked for, in the same tile, until the items
+// asked for and not yet run hold `budget` bytes; those asked for whole run at the next panel boundary, from cache.
+// With one item at a time a panel's slots after its item's rows went unused, so where items are small against a
+// panel (o, down: one item a panel) most of them ran unfetched after the panels.
+struct PassFetch {
+  static constexpr int RING = 8;
+  const LoraPass& pass;
+  std::atomic<int64_t>& next_item;
+  int64_t budget;
+  int per_k;
+  Ahead ah;  // the ranges of ring[n - 1], the item being asked for
+  int64_t ring[RING];  // claimed items, in order; all but ring[n - 1] asked for whole
+  int n = 0;
+  int64_t bytes = 0;  // rows of the items in ring
+  bool out = false;   // no item left to claim
+
+  PassFetch(const LoraPass& p, std::atomic<int64_t>& next, int64_t budget_bytes, int lines_per_k)
+      : pass(p), next_item(next), budget(budget_bytes), per_k(lines_per_k) {
+    ah.per_k = per_k;
+    grow();
+  }
+  // claim the next item and start asking for its rows, where there is room
+  bool grow() {
+    if (out || n == RING || (n > 0 && bytes >= budget)) return false;
+    const int64_t w = next_item.fetch_add(1, std::memory_order_relaxed);
+    if (w >= pass.items.size()) return out = true, false;
+    ring[n++] = w;
+    bytes += pass.bytes_of(w);
+    pass.rows_of(w, ah);
+    return true;
+  }
+  std::pair<const char*, int64_t> take(int64_t lines) {
+    if (ah.done() && !grow()) return {nullptr, 0};
+    return ah.take(lines);
+  }
+  // at a panel boundary (all: at the end, the last item's rest read now): run the items asked for whole
+  void run_ready(LoraPass::Scratch& sc, float* delta, int64_t ld, bool all = false) {
+    if (all) ah.finish(sc.sink);
+    const int ready = ah.done() ? n : n - 1;
+    for (int i = 0; i < ready; ++i) {
+      pass.run<true, true>(ring[i], sc, delta, ld);
+      bytes -= pass.bytes_of(ring[i]);
+    }
+    for (int i = ready; i < n; ++i) ring[i - ready] = ring[i];
+    n -= ready;
+    if (n == 0 && !all) grow();
+  }
+};
+
 // The GEMM (one row block) and a LoRA pass (loom_lora_apply's work items) interleaved on every thread: the pass's
 // adapter rows stream from memory while the GEMM is bound by its FMAs, so each thread's GEMM tiles ask for the rows of
-// the pass item it runs next (Ahead: one or two lines per k, into L2) and the item runs between two panels once they
-// were all asked for, from cache. Items left when the panels run out run as in the pass (rows swept first). The pass
-// keeps each token's delta in scratch, added to y once all is done (lora_combine: bitwise the pass's own add). 32
-// decode tokens on 32 adapters, every layer of the default model, Zen 5 VM, the previous library (one thread: the pass
-// after the GEMM; more: the pass and the GEMM on different threads) and this one alternating in one process, LoRA
-// added to the GEMMs: float32 pools 35.0 -> 26.0 ms at one thread (15 of 15 rounds faster), 20.3 -> 18.8 at two (13
-// of 15); bfloat16 23.8 -> 17.8 (14 of 15), 16.7 -> 13.2 (13 of 15).
+// the pass items it runs next (PassFetch) and they run between two panels, from cache. Items left when the panels run
+// out run as in the pass (rows swept first). The pass keeps each token's delta in scratch, added to y once all is
+// done (lora_combine: bitwise the pass's own add). 32 decode tokens on 32 adapters, every layer of the default model,
+// Zen 5 VM, the previous library (one thread: the pass after the GEMM; more: the pass and the GEMM on different
+// threads) and this one alternating in one process, LoRA added to the GEMMs: float32 pools 35.0 -> 26.0 ms at one
+// thread (15 of 15 rounds faster), 20.3 -> 18.8 at two (13 of 15); bfloat16 23.8 -> 17.8 (14 of 15), 16.7 -> 13.2 (13
+// of 15).
 void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, int nthreads, const LoraEpilogue* lora, const LoraPass& pass) {
   const int64_t P = (N + NR - 1) / NR, n_items = pass.items.size();
@@ -372,27 +435,18 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   const int64_t k_lines = K / 4 * 4, slots = P * ((M + MR - 1) / MR) * k_lines;
   const int per_k = pass.lines() > slots ? 2 : 1;
   std::atomic<int64_t> next_panel{0}, next_item{0};
-  const auto claim = [&] { return next_item.fetch_add(1, std::memory_order_relaxed); };
 #pragma omp parallel num_threads(nthreads)
   {
     if (lora) lora->shrink(A, lda, K, 0, M, shrink_chunk(M, nthreads));
     LoraPass::Scratch sc(pass);
-    Ahead ah;
-    ah.per_k = per_k;
-    int64_t w = claim();  // the item whose rows the tiles ask for
-    if (w < n_items) pass.rows_of(w, ah);
+    PassFetch pf(pass, next_item, PASS_AHEAD_BYTES, per_k);
     for (int64_t p; (p = next_panel.fetch_add(1, std::memory_order_relaxed)) < P;) {
-      if (w < n_items && ah.done()) {
-        pass.run<true, true>(w, sc, delta.get(), N);
-        if ((w = claim()) < n_items) pass.rows_of(w, ah);
-      }
-      gemm_panel(A, lda, 0, M, K, Bp, N, p, bias, C, ldc, lora, w < n_items ? &ah : nullptr);
+      pf.run_ready(sc, delta.get(), N);
+      gemm_panel(A, lda, 0, M, K, Bp, N, p, bias, C, ldc, lora, &pf);
     }
-    if (w < n_items) {
-      ah.finish(sc.sink);
-      pass.run<true, true>(w, sc, delta.get(), N);
-    }
-    while ((w = claim()) < n_items) pass.run<true>(w, sc, delta.get(), N);
+    pf.run_ready(sc, delta.get(), N, true);
+    for (int64_t w; (w = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items;)
+      pass.run<true>(w, sc, delta.get(), N);
     keep(sc.sink);
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
@@ -404,46 +458,11 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// columns per packed panel: what loom_gemm_pack lays out and loom_gemm reads
-int64_t loom_gemm_panel_width() { return NR; }
-
-// W [N, K] row-major -> panels Bp [ceil(N / NR), K, NR]
-void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
-  const int64_t P = (N + NR - 1) / NR;
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < NR; ++j) {
-        const int64_t n = p * NR + j;
-        Bp[(p * K + k) * NR + j] = n < N ? W[n * K + k] : 0.f;
-      }
-}
-
-// y [M, N] (row stride ldc) = x [M, K] (row stride lda) @ W^T + bias (nullable), W packed by loom_gemm_pack;
-// rows in blocks of mc (see gemm), parallel over panels.
-void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-               float* C, int64_t ldc, int64_t mc, int nthreads) {
-  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, nullptr);
-}
-
-// loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
-// G) as loom_lora_apply, the B pool b [rows, N], slice offsets offs [S + 1]; bitwise loom_gemm followed by
-// loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas added to each output tile
-// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients are
-// computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own adapter's
-// rows) take loom_lora_apply's pass: interleaved with the GEMM's panels where x is one row block (gemm_with_pass),
-// else afterwards.
-//
-// Pools of 16-bit floats (dt, with_type's code): the fused groups' B rows are widened to float32 scratch first (a
-// prefill chunk's output tiles read each of them many times; widening is exact, so the bits are those of float32
-// pools), their A rows too where they are packed for the shrink (pack_pairs); the rest is read as it is.
-void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-                    float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs,
-                    int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
-                    const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
+// loom_gemm_lora's work; fetch (nullable): gemm's, for the fused groups' GEMM
+void gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
+               float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs, int64_t S,
+               const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal,
+               int64_t G, int64_t fuse_min, int64_t mc, int nthreads, const Ahead* fetch) {
   // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
   struct Split {
     std::vector<int64_t> tok;
@@ -506,10 +525,54 @@ void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
     return;
   }
-  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr);
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
   if (small.groups())
     loom_lora_apply(A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
                     small.ranks.data(), small.scal.data(), small.groups(), nthreads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// columns per packed panel: what loom_gemm_pack lays out and loom_gemm reads
+int64_t loom_gemm_panel_width() { return NR; }
+
+// W [N, K] row-major -> panels Bp [ceil(N / NR), K, NR]
+void loom_gemm_pack(const float* W, int64_t N, int64_t K, float* Bp) {
+  const int64_t P = (N + NR - 1) / NR;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t j = 0; j < NR; ++j) {
+        const int64_t n = p * NR + j;
+        Bp[(p * K + k) * NR + j] = n < N ? W[n * K + k] : 0.f;
+      }
+}
+
+// y [M, N] (row stride ldc) = x [M, K] (row stride lda) @ W^T + bias (nullable), W packed by loom_gemm_pack;
+// rows in blocks of mc (see gemm), parallel over panels.
+void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
+               float* C, int64_t ldc, int64_t mc, int nthreads) {
+  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, nullptr);
+}
+
+// loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
+// G) as loom_lora_apply, the B pool b [rows, N], slice offsets offs [S + 1]; bitwise loom_gemm followed by
+// loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas added to each output tile
+// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients are
+// computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own adapter's
+// rows) take loom_lora_apply's pass: interleaved with the GEMM's panels where x is one row block (gemm_with_pass),
+// else afterwards.
+//
+// Pools of 16-bit floats (dt, with_type's code): the fused groups' B rows are widened to float32 scratch first (a
+// prefill chunk's output tiles read each of them many times; widening is exact, so the bits are those of float32
+// pools), their A rows too where they are packed for the shrink (pack_pairs); the rest is read as it is.
+void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
+                    float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs,
+                    int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                    const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
+  gemm_lora(A, lda, M, K, Bp, N, bias, C, ldc, a, dt, R, b, offs, S, tok, seg, rows, ranks, scal, G, fuse_min, mc,
+            nthreads, nullptr);
 }
 
 }  // extern "C"

@@ -376,8 +376,8 @@ inline void touch_adapter(const T* a, int64_t S, int64_t R, int64_t K, int64_t r
   touch(bb + ib, nb - ib, sink);
 }
 
-// Cache lines to ask for ahead of their use, a chunk at a time: a work item's adapter rows, as up to 8 byte ranges
-// (its A slices, then its B rows) that the GEMM's tiles prefetch into L2 while their FMAs run (see gemm_with_pass).
+// Cache lines to ask for ahead of their use, a chunk at a time: up to 8 byte ranges (adapter rows: a pass item's, or
+// the next linear's) that the GEMM's tiles prefetch into L2 while their FMAs run (gemm_with_pass, gemm's fetch).
 struct Ahead {
   const char* p[8];
   int64_t n[8];  // bytes
@@ -403,6 +403,20 @@ struct Ahead {
     for (; cur < cnt; ++cur, off = 0) touch(p[cur] + off, n[cur] - off, sink);
   }
 };
+
+// Bytes of an adapter's rows in pools of with_type's type dt: rank rows of A per slice [S, ., K] and of B [., N]
+inline int64_t adapter_bytes(int64_t S, int64_t K, int64_t N, int64_t rank, int dt) {
+  return rank * (S * K + N) * type_bytes(dt);
+}
+
+// An adapter's rows as Ahead's ranges: its A rows slice by slice (pool a [S, R, K]), then its B rows (pool b [R, N]),
+// rank rows from `row`, of with_type's element type dt
+inline void adapter_rows(const void* a, const void* b, int dt, int64_t S, int64_t R, int64_t K, int64_t N, int64_t row,
+                         int64_t rank, Ahead& ah) {
+  const int64_t es = type_bytes(dt);
+  for (int64_t s = 0; s < S; ++s) ah.add(static_cast<const char*>(a) + (s * R + row) * K * es, rank * K * es);
+  ah.add(static_cast<const char*>(b) + row * N * es, rank * N * es);
+}
 
 // Work items of a LoRA pass: tiles of up to LORA_MAX_TILE tokens of one group with a rank (fewer tokens per tile
 // when that would leave threads idle).
@@ -456,16 +470,16 @@ struct LoraPass {
 
   // item w's adapter rows (A slice by slice, then B)
   void rows_of(int64_t w, Ahead& ah) const {
-    const int64_t g = items.g[w], es = type_bytes(dt), rk = ranks[g];
-    const char *pa = static_cast<const char*>(a), *pb = static_cast<const char*>(b);
+    const int64_t g = items.g[w];
     ah.clear();
-    for (int64_t s = 0; s < S; ++s) ah.add(pa + (s * R + rows[g]) * K * es, rk * K * es);
-    ah.add(pb + int64_t(rows[g]) * N * es, rk * N * es);
+    adapter_rows(a, b, dt, S, R, K, N, rows[g], ranks[g], ah);
   }
+  // bytes of item w's adapter rows
+  int64_t bytes_of(int64_t w) const { return adapter_bytes(S, K, N, ranks[items.g[w]], dt); }
   // cache lines of all the items' adapter rows
   int64_t lines() const {
     int64_t n = 0;
-    for (const int64_t g : items.g) n += (ranks[g] * (S * K + N) * type_bytes(dt) + 63) / 64;
+    for (int64_t w = 0; w < items.size(); ++w) n += (bytes_of(w) + 63) / 64;
     return n;
   }
 
