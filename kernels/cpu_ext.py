@@ -49,7 +49,8 @@ _SIGNATURES = {
                           _F32, _I64, _F32, _I32],
     "loom_paged_prefill": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _P, _I64, _I64,
                            _F32, _I64, _F32, _I64, _I32],
-    "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32],
+    "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
+                        _I64, _I32],
     "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
@@ -60,8 +61,8 @@ _SIGNATURES = {
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],
     "loom_gemm": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I32],
-    "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
-                       _I64, _I64, _I64, _I32],
+    "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _I64, _P, _I64, _P, _I64, _P, _P,
+                       _P, _P, _P, _I64, _I64, _I64, _I32],
     "loom_decoder_layer_workspace": [_P, _I64],
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P],
 }
@@ -204,10 +205,13 @@ ADAPTER_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def adapter_type(a: torch.Tensor, b: torch.Tensor) -> int | None:
     """The type code of a pair of adapter pools the C++ LoRA kernels read (CPU, one element type of ADAPTER_TYPES,
-    contiguous), else None."""
-    if a.is_cpu and b.is_cpu and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous():
-        return ADAPTER_TYPES.get(a.dtype)
-    return None
+    a [S, R, K] and b [R, N] in rows, possibly padded: a.stride(1) >= K, b.stride(0) >= N), else None."""
+    if not (a.is_cpu and b.is_cpu and a.dtype == b.dtype and a.dim() == 3 and b.dim() == 2):
+        return None
+    S, R, K = a.shape
+    rows = a.stride(2) == 1 and a.stride(1) >= K and a.stride(0) == R * a.stride(1) and b.stride(1) == 1 \
+        and b.stride(0) >= b.shape[1]
+    return ADAPTER_TYPES.get(a.dtype) if rows else None
 
 
 def serial_thread() -> bool:

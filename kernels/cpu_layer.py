@@ -23,7 +23,7 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 
 class _Linear(ctypes.Structure):
     _fields_ = [("panels", _P), ("N", _I64), ("bias", _P), ("lora_a", _P), ("lora_b", _P), ("dt", _I64), ("S", _I64),
-                ("R", _I64), ("offs", _P)]
+                ("R", _I64), ("ak", _I64), ("bn", _I64), ("offs", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -91,7 +91,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
         keep.append(o)
         structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
                                0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
-                               0 if a is None else a.shape[1], o.data_ptr()))
+                               0 if a is None else a.shape[1], 0 if a is None else a.stride(1),
+                               0 if b is None else b.stride(0), o.data_ptr()))
     window, cap = attention_options(window, softcap)
     attn_only = len(linears) == 2
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features

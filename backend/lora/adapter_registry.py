@@ -172,8 +172,8 @@ class AdapterRegistry:
         pools = []
         for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
             sub = self.spec.space(expert=space == EXPERT)
-            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype), self.device,
-                                  dtype))
+            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype, self.device),
+                                  self.device, dtype))
             if model is not None:
                 pools[-1].attach(model)
         self.pools: tuple[LoraPool, LoraPool] = tuple(pools)
@@ -303,7 +303,7 @@ class AdapterRegistry:
                     f"{pre}capacity_rows": pool.capacity,
                     f"{pre}free_rows": pool.allocator.num_free,
                     f"{pre}pool_bytes": pool.nbytes,
-                    f"{pre}row_bytes": pool.spec.bytes_per_row(self.dtype),
+                    f"{pre}row_bytes": pool.row_bytes,
                     f"{pre}holders": sum(1 for v in self._versions if v.rows[space] >= 0),  # versions with rows here
                     f"{pre}evictions": self.evictions[space],
                     f"{pre}compactions": self.compactions[space],
@@ -423,7 +423,7 @@ class AdapterRegistry:
         for space, (pool, r) in enumerate(zip(self.pools, ranks)):
             if r <= pool.capacity:
                 continue
-            field_name, row = SPACE_FIELDS[space], pool.spec.bytes_per_row(self.dtype)
+            field_name, row = SPACE_FIELDS[space], pool.row_bytes
             what = "MoE expert LoRA" if space == EXPERT else "LoRA on attention / dense MLP layers"
             if pool.capacity == 0:
                 return (f"adapter {name!r} needs {r} rank rows of {what}, which is disabled: {field_name}="

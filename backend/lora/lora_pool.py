@@ -4,6 +4,8 @@ A LoraPool covers the module groups of one row space (`LoraModelSpec.space`: the
 groups), one pool pair per group, stacked over the layers that have the group (and experts, for expert groups):
   a[group]: [group layers, (num_experts,) num_slices, capacity, in_features]
   b[group]: [group layers, (num_experts,) capacity, sum(output_sizes)]
+On the CPU each row of K or N elements is stored in kernels/cpu_lora.py's pool_row(K) (a cache line longer where K
+is a multiple of 8 lines, so rank rows do not share L1 sets): the pools are views of the first K / N columns.
 Module `layers.{i}.<group>` gets the views a[group][j] ([(E,) S, R, in]) and b[group][j] ([(E,) R, sum_out]) as
 its `lora_a` / `lora_b`, j = the position of layer i among the group's layers.
 An adapter version owns the same contiguous rows [row_start, row_start + rank) in every pool of a space (all its
@@ -13,9 +15,11 @@ written as zeros, so rows need no clearing when freed.
 from __future__ import annotations
 
 import bisect
+from typing import Callable
 
 import torch
 
+from loom.kernels.cpu_lora import pool_row
 from loom.kernels.cpu_memory import large_zeros
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
@@ -81,6 +85,13 @@ class RowAllocator:
         self.num_free = self.capacity - used_prefix
 
 
+def stored_row(device: torch.device, dtype: torch.dtype) -> Callable[[int], int]:
+    """Elements a pool on `device` keeps per row of n: pool_row's padding on the CPU, n elsewhere."""
+    if torch.device(device).type == "cpu":
+        return lambda n: pool_row(n, dtype)
+    return lambda n: n
+
+
 class LoraPool:
     def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype):
         self.spec = spec
@@ -91,17 +102,28 @@ class LoraPool:
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         if self.capacity > 0:
+            row = stored_row(self.device, dtype)
             for g in spec.groups:
                 lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
+                k, n = g.in_features, g.out_features
                 # on the CPU on huge pages: a decode step with many adapters reads rows all over them
-                self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, g.in_features), dtype, self.device)
-                self.b[g.name] = large_zeros((*lead, self.capacity, g.out_features), dtype, self.device)
+                self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, row(k)), dtype, self.device)[..., :k]
+                self.b[g.name] = large_zeros((*lead, self.capacity, row(n)), dtype, self.device)[..., :n]
 
     @staticmethod
-    def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype) -> int:
+    def row_bytes_for(spec: LoraModelSpec, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes one rank row takes across the pools of `spec` on `device` (with a CPU pool's padding)."""
+        return spec.bytes_per_row(dtype, stored_row(device, dtype))
+
+    @staticmethod
+    def capacity_for(spec: LoraModelSpec, memory_bytes: int, dtype: torch.dtype, device: torch.device) -> int:
         """Rank rows that fit memory_bytes (0 for a space without groups, e.g. the expert space of a dense model)."""
-        per_row = spec.bytes_per_row(dtype)
+        per_row = LoraPool.row_bytes_for(spec, dtype, device)
         return int(memory_bytes) // per_row if per_row else 0
+
+    @property
+    def row_bytes(self) -> int:
+        return LoraPool.row_bytes_for(self.spec, self.dtype, self.device)
 
     def rank_of(self, w: AdapterWeights) -> int:
         """Rows the adapter takes in this pool: its largest module rank among the pool's groups; 0 = none targeted."""
@@ -109,7 +131,7 @@ class LoraPool:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * self.spec.bytes_per_row(self.dtype)
+        return self.capacity * self.row_bytes
 
     def attach(self, model: torch.nn.Module) -> None:
         """Point the LoRA-capable modules of this pool's groups at their layer's view of the pools."""

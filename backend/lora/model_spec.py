@@ -11,6 +11,7 @@ groups, each with its own pools, so only adapters that target experts pay for ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -73,7 +74,11 @@ class LoraGroupSpec:
     @property
     def elems_per_row(self) -> int:
         """Pool elements one rank row takes in one layer: A for each slice plus the B row (per expert)."""
-        return max(1, self.num_experts) * (self.num_slices * self.in_features + self.out_features)
+        return self.stored_per_row(lambda n: n)
+
+    def stored_per_row(self, row: Callable[[int], int]) -> int:
+        """elems_per_row where a pool row of n elements is stored in row(n) (a CPU pool's padding)."""
+        return max(1, self.num_experts) * (self.num_slices * row(self.in_features) + row(self.out_features))
 
     @property
     def is_expert(self) -> bool:
@@ -95,8 +100,10 @@ class LoraModelSpec:
         """Pool elements of one rank row: every group in each layer that has it."""
         return sum(len(self.layers_of(g)) * g.elems_per_row for g in self.groups)
 
-    def bytes_per_row(self, dtype: torch.dtype) -> int:
-        return self.elems_per_row * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_row(self, dtype: torch.dtype, row: Optional[Callable[[int], int]] = None) -> int:
+        """Pool bytes of one rank row; row: as in LoraGroupSpec.stored_per_row (None: unpadded)."""
+        stored = sum(len(self.layers_of(g)) * g.stored_per_row(row or (lambda n: n)) for g in self.groups)
+        return stored * torch.empty((), dtype=dtype).element_size()
 
     def space(self, expert: bool) -> "LoraModelSpec":
         """The groups of one row space: the dense groups (attention, dense MLP) or the MoE expert groups. Each space

@@ -128,7 +128,7 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, fl
 // (-1: none) and its shrink coefficients (shrink, each row block's before its panels).
 struct LoraEpilogue {
   // a group: its B rows in b from b_row, rank and scaling; its A rows packed by pack_pairs (its slices one after
-  // another), or (packed null) read in the pool a [S, pool_rows, K] (with_type's type dt) from a_row
+  // another), or (packed null) read in the pools from a_row
   struct Group {
     int64_t b_row, rank;
     float scale;
@@ -137,12 +137,11 @@ struct LoraEpilogue {
   };
   float* coef;
   int64_t coef_ld, rank_pad;
-  const float* b;  // B pool [rows, N]
+  const float* b;  // B rows [., N], ldb apart: the pool's, or widened to float32
+  int64_t ldb;
   const int64_t* offs;  // slice column offsets [S + 1]
   int64_t S;
-  const void* a;
-  int dt;
-  int64_t pool_rows;
+  Pools pools;
   std::vector<Group> groups;
   std::vector<int32_t> group;
 
@@ -171,10 +170,9 @@ struct LoraEpilogue {
           if (gr->packed)
             shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld);
           else
-            with_type(dt, [&](auto tag) {
+            with_type(pools.dt, [&](auto tag) {
               using T = decltype(tag);
-              const T* rows = static_cast<const T*>(a) + (s * pool_rows + gr->a_row) * K;
-              shrink_tile(xr, n, InPool<T>{rows, K, rk}, K, rk, out, coef_ld);
+              shrink_tile(xr, n, InPool<T>{pools.a_rows<T>(s, gr->a_row), pools.ak, rk}, K, rk, out, coef_ld);
             });
         }
       }
@@ -190,8 +188,8 @@ struct LoraEpilogue {
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           float* y = C + m * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
-          const float* bb = b + gm->b_row * N + c0;
-          with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, N, gm->rank, gm->scale); });
+          const float* bb = b + gm->b_row * ldb + c0;
+          with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, ldb, gm->rank, gm->scale); });
           return;
         }
     }
@@ -199,7 +197,7 @@ struct LoraEpilogue {
     if (c1 - c0 == NR && mr == 4 && gm && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
-          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * N + c0, N, gm->rank,
+          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * ldb + c0, ldb, gm->rank,
                 gm->scale);
           return;
         }
@@ -212,8 +210,8 @@ struct LoraEpilogue {
         const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
         if (lo >= hi) continue;
         const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
-        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * N, N, gt->rank, gt->scale, lo, hi,
-                   vec_end);
+        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * ldb, ldb, gt->rank, gt->scale, lo,
+                   hi, vec_end);
       }
     }
   }
@@ -225,9 +223,9 @@ struct LoraEpilogue {
   void prefetch(int64_t m, int64_t N, int64_t c0) const {
     const Group* gm = of(m);
     if (!gm) return;
-    const float* bb = b + gm->b_row * N + c0;
+    const float* bb = b + gm->b_row * ldb + c0;
     for (int64_t r = 0; r < gm->rank; ++r)
-      for (int64_t c = 0; c < NR; c += 16) __builtin_prefetch(bb + r * N + c, 0, 3);
+      for (int64_t c = 0; c < NR; c += 16) __builtin_prefetch(bb + r * ldb + c, 0, 3);
   }
 
   bool same_group(int64_t m, int64_t n) const {
@@ -453,16 +451,17 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
     for (int64_t g = 0; g < pass.G; ++g) {
       if (pass.ranks[g] <= 0) continue;
       for (int64_t i = pass.seg[g]; i < pass.seg[g + 1]; ++i)
-        lora_combine(C + pass.tok[i] * ldc, delta.get() + i * N, pass.offs, pass.S, pass.scal[g]);
+        lora_combine(C + pass.tok[i] * ldc, delta.get() + i * N, pass.offs, pass.pools.S, pass.scal[g]);
     }
   }
 }
 
 // loom_gemm_lora's work; fetch (nullable): gemm's, for the fused groups' GEMM
-void gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-               float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs, int64_t S,
-               const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal,
-               int64_t G, int64_t fuse_min, int64_t mc, int nthreads, const Ahead* fetch) {
+void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const float* bias, float* C, int64_t ldc,
+               const Pools& pools, const int64_t* offs, const int64_t* tok, const int32_t* seg, const int32_t* rows,
+               const int32_t* ranks, const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads,
+               const Ahead* fetch) {
+  const int64_t K = pools.K, N = pools.N, S = pools.S, bn = pools.bn;
   // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
   struct Split {
     std::vector<int64_t> tok;
@@ -493,33 +492,35 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
   }
   const std::unique_ptr<float[]> paired(new float[a_at.back()]);  // written whole before it is read
   std::unique_ptr<float[]> wide_b;
-  if (dt != 0 && big_rows) wide_b.reset(new float[big_rows * N]);
-  const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(b);
+  if (pools.dt != 0 && big_rows) wide_b.reset(new float[big_rows * bn]);  // rows bn apart, as in the pool
+  const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(pools.b);
   std::vector<int32_t> b_at(big.groups() + 1, 0);  // group g's rows in wide_b: [b_at[g], b_at[g + 1])
   for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
   if (a_at.back() || wide_b)
-    with_type(dt, [&](auto tag) {
+    with_type(pools.dt, [&](auto tag) {
       using T = decltype(tag);
-      const T *pa = static_cast<const T*>(a), *pb = static_cast<const T*>(b);
 #pragma omp parallel for num_threads(std::min<int64_t>(nthreads, big.groups())) schedule(dynamic, 1)
       for (int64_t g = 0; g < big.groups(); ++g) {
         const int64_t rk = big.ranks[g];
         if (a_at[g + 1] > a_at[g])
           for (int64_t s = 0; s < S; ++s)
-            pack_pairs(pa + (s * R + big.rows[g]) * K, rk, K, paired.get() + a_at[g] + s * paired_floats(rk, K));
-        if (wide_b) widen(pb + int64_t(big.rows[g]) * N, wide_b.get() + int64_t(b_at[g]) * N, rk * N);
+            pack_pairs(pools.a_rows<T>(s, big.rows[g]), pools.ak, rk, K,
+                       paired.get() + a_at[g] + s * paired_floats(rk, K));
+        if (wide_b)
+          for (int64_t r = 0; r < rk; ++r)
+            widen(pools.b_rows<T>(big.rows[g] + r), wide_b.get() + (b_at[g] + r) * bn, N);
       }
     });
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
   std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, offs, S, a, dt, R, {}, std::vector<int32_t>(M, -1)};
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, bn, offs, S, pools, {}, std::vector<int32_t>(M, -1)};
   for (int64_t g = 0; g < big.groups(); ++g) {
     ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
                          a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
     for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
   }
   if (small.groups() && row_block_rows(M, mc) == M) {
-    const LoraPass pass{A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(),
+    const LoraPass pass{A, lda, pools, offs, C, ldc, small.tok.data(), small.seg.data(),
                         small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
                         LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
     gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
@@ -527,8 +528,9 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
   }
   gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
   if (small.groups())
-    loom_lora_apply(A, lda, a, dt, S, R, K, b, N, offs, C, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
-                    small.ranks.data(), small.scal.data(), small.groups(), nthreads);
+    loom_lora_apply(A, lda, pools.a, pools.dt, S, pools.R, K, pools.ak, pools.b, N, bn, offs, C, ldc, small.tok.data(),
+                    small.seg.data(), small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
+                    nthreads);
 }
 
 }  // namespace
@@ -556,23 +558,23 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
   gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, nullptr);
 }
 
-// loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal,
-// G) as loom_lora_apply, the B pool b [rows, N], slice offsets offs [S + 1]; bitwise loom_gemm followed by
-// loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas added to each output tile
-// as soon as the tile is computed, so y is not read back from memory for them (its shrink coefficients are
-// computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own adapter's
-// rows) take loom_lora_apply's pass: interleaved with the GEMM's panels where x is one row block (gemm_with_pass),
-// else afterwards.
+// loom_gemm, then y[tok] += the LoRA delta of tok's group per slice: the same groups (tok, seg, rows, ranks, scal, G)
+// and pools (a [S, R, K], b [R, N], rows ak and bn elements apart) as loom_lora_apply, slice offsets offs [S + 1];
+// bitwise loom_gemm followed by loom_lora_apply. A group of at least `fuse_min` tokens (a prefill chunk) has its deltas
+// added to each output tile as soon as the tile is computed, so y is not read back from memory for them (its shrink
+// coefficients are computed first, into [M, S * rank_pad] scratch); smaller groups (decode tokens, each reading its own
+// adapter's rows) take loom_lora_apply's pass: interleaved with the GEMM's panels where x is one row block
+// (gemm_with_pass), else afterwards.
 //
 // Pools of 16-bit floats (dt, with_type's code): the fused groups' B rows are widened to float32 scratch first (a
 // prefill chunk's output tiles read each of them many times; widening is exact, so the bits are those of float32
 // pools), their A rows too where they are packed for the shrink (pack_pairs); the rest is read as it is.
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
-                    float* C, int64_t ldc, const void* a, int dt, int64_t R, const void* b, const int64_t* offs,
-                    int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
-                    const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
-  gemm_lora(A, lda, M, K, Bp, N, bias, C, ldc, a, dt, R, b, offs, S, tok, seg, rows, ranks, scal, G, fuse_min, mc,
-            nthreads, nullptr);
+                    float* C, int64_t ldc, const void* a, int dt, int64_t R, int64_t ak, const void* b, int64_t bn,
+                    const int64_t* offs, int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows,
+                    const int32_t* ranks, const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads) {
+  gemm_lora(A, lda, M, Bp, bias, C, ldc, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, tok, seg, rows, ranks, scal, G,
+            fuse_min, mc, nthreads, nullptr);
 }
 
 }  // extern "C"

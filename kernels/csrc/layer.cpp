@@ -20,7 +20,10 @@ struct LoomLinear {
   const void* lora_b;     // [R, N]
   int64_t dt;             // the pools' element type (with_type's code)
   int64_t S, R;
+  int64_t ak, bn;         // the pools' row strides (elements)
   const int64_t* offs;    // slice column offsets [S + 1]
+
+  Pools pools(int64_t K) const { return Pools{lora_a, lora_b, int(dt), S, R, K, N, ak, bn}; }
 };
 
 struct LoomLayer {
@@ -82,12 +85,13 @@ constexpr int64_t FETCH_BYTES = 512 << 10;
 Ahead rows_to_fetch(const LoomLinear& l, bool lora, const LoomStep& st, int64_t K) {
   Ahead ah;
   if (!lora || !l.lora_a) return ah;
+  const Pools pools = l.pools(K);
   int64_t bytes = 0;
   for (int64_t g = 0; g < st.groups; ++g) {
-    const int64_t rk = st.ranks[g], more = adapter_bytes(l.S, K, l.N, rk, int(l.dt));
+    const int64_t rk = st.ranks[g], more = pools.bytes(rk);
     if (rk <= 0 || st.seg[g + 1] - st.seg[g] < st.fuse_min) continue;
     if (ah.cnt + l.S + 1 > 8 || bytes + more > FETCH_BYTES) break;
-    adapter_rows(l.lora_a, l.lora_b, int(l.dt), l.S, l.R, K, l.N, st.rows[g], rk, ah);
+    pools.rows(st.rows[g], rk, ah);
     bytes += more;
   }
   return ah;
@@ -98,8 +102,8 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
                   const Ahead& fetch) {
   const Ahead* f = fetch.done() ? nullptr : &fetch;
   if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
-    gemm_lora(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, l.lora_a, int(l.dt), l.R, l.lora_b, l.offs, l.S, st.tok,
-              st.seg, st.rows, st.ranks, st.scal, st.groups, st.fuse_min, mc, st.nthreads, f);
+    gemm_lora(x, K, st.T, l.panels, l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal,
+              st.groups, st.fuse_min, mc, st.nthreads, f);
   else
     gemm(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, mc, st.nthreads, nullptr, f);
 }
@@ -134,7 +138,8 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
   if (T == 0) return;
 
   loom_rms_norm(x, Hd, residual, residual ? Hd : 0, L->norm_in, L->eps, h, Hd, r, Hd, T, Hd, st.nthreads);
-  layer_linear(L->qkv, st.lora_mask & 1, st, h, Hd, st.mc_hidden, qkv, rows_to_fetch(L->o, st.lora_mask & 2, st, q_n));
+  layer_linear(L->qkv, st.lora_mask & 1, st, h, Hd, st.mc_hidden, qkv,
+               rows_to_fetch(L->o, st.lora_mask & 2, st, q_n));
   for (int64_t t = 0; t < T; ++t) {  // q, k, v out of the fused rows, each contiguous
     const float* row = qkv + t * qkv_n;
     std::memcpy(q + t * q_n, row, q_n * sizeof(float));
@@ -164,7 +169,8 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
     return;
   }
   loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
-  layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu, rows_to_fetch(L->down, st.lora_mask & 8, st, I));
+  layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu,
+               rows_to_fetch(L->down, st.lora_mask & 8, st, I));
   (L->gelu ? loom_gelu_tanh_mul : loom_silu_mul)(gu, 2 * I, act, T, I, st.nthreads);
   if (L->norm_post_ff) {  // the MLP's output into o (free by now), normalised into x_out; h takes res_out
     layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, o, Ahead{});

@@ -1,8 +1,8 @@
 // Multi-LoRA over adapter rank rows read in place in the pools, shrink and expand in one pass:
 //   y[tok[i], offs[s]:offs[s+1]] += scal[g] * sum_r (x[tok[i]] . a[s, rows[g] + r]) * b[rows[g] + r, offs[s]:offs[s+1]]
-// for the tokens i of group g (tok[seg[g]:seg[g+1]]), r < ranks[g]. x rows of stride xs; a [S, R, K] contiguous;
-// b [R, N] contiguous (a and b float32, bfloat16 or float16: with_type's code, widened as read); y rows of stride
-// ys; seg [G+1], rows / ranks [G] int32; scal [G] float32; tok int64.
+// for the tokens i of group g (tok[seg[g]:seg[g+1]]), r < ranks[g]. x rows of stride xs; a [S, R, K] and b [R, N]
+// in rows of ak and bn elements (Pools; float32, bfloat16 or float16: with_type's code, widened as read); y rows of
+// stride ys; seg [G+1], rows / ranks [G] int32; scal [G] float32; tok int64.
 //
 // Work items are tiles of up to LORA_MAX_TILE tokens of one group (fewer when that would leave threads idle), in
 // parallel: a group's tokens are its own rows of y, so no two items write one row. Register tiles keep loads per
@@ -53,16 +53,16 @@ struct PairedRows {
   }
 };
 
-// An adapter slice's rank rows [rank, K] in the pool: block<N>(r0) reads rows r0 .. r0 + N - 1 (past the rank: its
-// last row, whose products land in padding)
+// An adapter slice's rank rows in the pool, ld elements apart: block<N>(r0) reads rows r0 .. r0 + N - 1 (past the
+// rank: its last row, whose products land in padding)
 template <class T>
 struct InPool {
   const T* a;
-  int64_t K, rank;
+  int64_t ld, rank;
   template <int N>
   RowPtrs<T, N> block(int64_t r0) const {
     RowPtrs<T, N> rows;
-    for (int j = 0; j < N; ++j) rows.r[j] = a + std::min<int64_t>(r0 + j, rank - 1) * K;
+    for (int j = 0; j < N; ++j) rows.r[j] = a + std::min<int64_t>(r0 + j, rank - 1) * ld;
     return rows;
   }
 };
@@ -85,14 +85,14 @@ struct Paired {
 // floats of one slice's rows packed by pack_pairs
 inline int64_t paired_floats(int64_t rank, int64_t K) { return (rank + 1) / 2 * 2 * K; }
 
-// Rank rows [rank, K] -> Paired's layout: for each pair of rows (2h, min(2h + 1, rank - 1)) their first K / 8 * 8
-// columns 8 at a time side by side, then the first row's tail, then the second's. A prefill chunk's shrink then loads
-// a pair of rows' 8 columns whole (a pool's rows are put side by side a shuffle each).
+// Rank rows [rank, K] (ld elements apart) -> Paired's layout: for each pair of rows (2h, min(2h + 1, rank - 1)) their
+// first K / 8 * 8 columns 8 at a time side by side, then the first row's tail, then the second's. A prefill chunk's
+// shrink then loads a pair of rows' 8 columns whole (a pool's rows are put side by side a shuffle each).
 template <class T>
-void pack_pairs(const T* a, int64_t rank, int64_t K, float* out) {
+void pack_pairs(const T* a, int64_t ld, int64_t rank, int64_t K, float* out) {
   const int64_t k8 = K / 8 * 8;
   for (int64_t h = 0; h < (rank + 1) / 2; ++h, out += 2 * K) {
-    const T *r0 = a + 2 * h * K, *r1 = a + std::min(2 * h + 1, rank - 1) * K;
+    const T *r0 = a + 2 * h * ld, *r1 = a + std::min(2 * h + 1, rank - 1) * ld;
     for (int64_t k = 0; k < k8; k += 8) {
       widen(r0 + k, out + 2 * k, 8);
       widen(r1 + k, out + 2 * k + 8, 8);
@@ -355,27 +355,6 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
   if (c < c1) expand_cols(&y, 1, &coef, b, ldb, rank, sc, c, c1);
 }
 
-// An adapter's A rows (every slice) and B rows loaded (touch) before a token's shrink and expand read them: A's
-// slices one after another beside B, two streams in flight. Unloaded, the shrink reads rank rows of A at a time and
-// the expand all rank rows of B 48 columns at a time, strided streams the hardware keeps few loads in flight for
-// (32 decode tokens on 32 adapters, all layers of the default model, Zen 5 core: 33.4-34.3 -> 23.5-25.3 ms added to
-// the GEMMs in scripts/bench_lora_floor.py; B alone loaded first: 26.2-27.9).
-template <class T>
-inline void touch_adapter(const T* a, int64_t S, int64_t R, int64_t K, int64_t row, int64_t rank, const T* b, int64_t N,
-                          float& sink) {
-  const T* bb = b + row * N;
-  const int64_t na = rank * K, nb = rank * N;
-  int64_t ib = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    const T* as = a + (s * R + row) * K;
-    const int64_t n = std::min(na, nb - ib) / 16 * 16;  // beside the next part of B
-    touch(as, bb + ib, n, sink);
-    touch(as + n, na - n, sink);
-    ib += n;
-  }
-  touch(bb + ib, nb - ib, sink);
-}
-
 // Cache lines to ask for ahead of their use, a chunk at a time: up to 8 byte ranges (adapter rows: a pass item's, or
 // the next linear's) that the GEMM's tiles prefetch into L2 while their FMAs run (gemm_with_pass, gemm's fetch).
 struct Ahead {
@@ -404,19 +383,48 @@ struct Ahead {
   }
 };
 
-// Bytes of an adapter's rows in pools of with_type's type dt: rank rows of A per slice [S, ., K] and of B [., N]
-inline int64_t adapter_bytes(int64_t S, int64_t K, int64_t N, int64_t rank, int dt) {
-  return rank * (S * K + N) * type_bytes(dt);
-}
+// A linear's adapter pools as the kernels read them: A [S, R, K] and B [R, N], rows ak and bn elements apart (>= K, N:
+// a CPU pool's rows may be padded, kernels/cpu_lora.py pool_row), elements of with_type's type dt. An adapter owns
+// rank rows from `row` in both.
+struct Pools {
+  const void* a;
+  const void* b;
+  int dt;
+  int64_t S, R, K, N, ak, bn;
 
-// An adapter's rows as Ahead's ranges: its A rows slice by slice (pool a [S, R, K]), then its B rows (pool b [R, N]),
-// rank rows from `row`, of with_type's element type dt
-inline void adapter_rows(const void* a, const void* b, int dt, int64_t S, int64_t R, int64_t K, int64_t N, int64_t row,
-                         int64_t rank, Ahead& ah) {
-  const int64_t es = type_bytes(dt);
-  for (int64_t s = 0; s < S; ++s) ah.add(static_cast<const char*>(a) + (s * R + row) * K * es, rank * K * es);
-  ah.add(static_cast<const char*>(b) + row * N * es, rank * N * es);
-}
+  template <class T>
+  const T* a_rows(int64_t s, int64_t row) const { return static_cast<const T*>(a) + (s * R + row) * ak; }
+  template <class T>
+  const T* b_rows(int64_t row) const { return static_cast<const T*>(b) + row * bn; }
+  // bytes of an adapter's rows (with their padding)
+  int64_t bytes(int64_t rank) const { return rank * (S * ak + bn) * type_bytes(dt); }
+  // its rows as Ahead's ranges: A slice by slice, then B
+  void rows(int64_t row, int64_t rank, Ahead& ah) const {
+    const int64_t es = type_bytes(dt);
+    for (int64_t s = 0; s < S; ++s) ah.add(static_cast<const char*>(a) + (s * R + row) * ak * es, rank * ak * es);
+    ah.add(static_cast<const char*>(b) + row * bn * es, rank * bn * es);
+  }
+
+  // sweep: an adapter's A rows (every slice) and B rows loaded (touch) before a token's shrink and expand read them:
+  // A's slices one after another beside B, two streams in flight. Unloaded, the shrink reads rank rows of A at a time
+  // and the expand all rank rows of B 48 columns at a time, strided streams the hardware keeps few loads in flight for
+  // (32 decode tokens on 32 adapters, all layers of the default model, Zen 5 core: 33.4-34.3 -> 23.5-25.3 ms added to
+  // the GEMMs in scripts/bench_lora_floor.py; B alone loaded first: 26.2-27.9).
+  template <class T>
+  void sweep(int64_t row, int64_t rank, float& sink) const {
+    const T* bb = b_rows<T>(row);
+    const int64_t na = rank * ak, nb = rank * bn;
+    int64_t ib = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const T* as = a_rows<T>(s, row);
+      const int64_t n = std::min(na, nb - ib) / 16 * 16;  // beside the next part of B
+      touch(as, bb + ib, n, sink);
+      touch(as + n, na - n, sink);
+      ib += n;
+    }
+    touch(bb + ib, nb - ib, sink);
+  }
+};
 
 // Work items of a LoRA pass: tiles of up to LORA_MAX_TILE tokens of one group with a rank (fewer tokens per tile
 // when that would leave threads idle).
@@ -444,11 +452,7 @@ struct LoraItems {
 struct LoraPass {
   const float* x;
   int64_t xs;
-  const void* a;  // pools of with_type's element type code dt
-  int dt;
-  int64_t S, R, K;
-  const void* b;
-  int64_t N;
+  Pools pools;
   const int64_t* offs;
   float* y;
   int64_t ys;
@@ -464,7 +468,7 @@ struct LoraPass {
     std::vector<float*> yr;
     float sink = 0.f;  // touch's loads
     explicit Scratch(const LoraPass& p)
-        : buf(p.items.tile * p.S * p.rank_pad()), xr(p.items.tile), yr(p.items.tile) {}
+        : buf(p.items.tile * p.pools.S * p.rank_pad()), xr(p.items.tile), yr(p.items.tile) {}
   };
   int64_t rank_pad() const { return (items.max_rank + 3) / 4 * 4; }
 
@@ -472,10 +476,10 @@ struct LoraPass {
   void rows_of(int64_t w, Ahead& ah) const {
     const int64_t g = items.g[w];
     ah.clear();
-    adapter_rows(a, b, dt, S, R, K, N, rows[g], ranks[g], ah);
+    pools.rows(rows[g], ranks[g], ah);
   }
   // bytes of item w's adapter rows
-  int64_t bytes_of(int64_t w) const { return adapter_bytes(S, K, N, ranks[items.g[w]], dt); }
+  int64_t bytes_of(int64_t w) const { return pools.bytes(ranks[items.g[w]]); }
   // cache lines of all the items' adapter rows
   int64_t lines() const {
     int64_t n = 0;
@@ -483,7 +487,7 @@ struct LoraPass {
     return n;
   }
 
-  // FETCHED: the rows are in cache already (rows_of's ranges, asked for ahead), so no touch_adapter sweep first
+  // FETCHED: the rows are in cache already (rows_of's ranges, asked for ahead), so no Pools::sweep first
   template <bool STORE = false, bool FETCHED = false>
   void run(int64_t w, Scratch& sc, float* out = nullptr, int64_t out_ld = 0) const {
     const int64_t g = items.g[w], t0 = items.t0[w], nt = std::min<int64_t>(items.tile, seg[g + 1] - t0);
@@ -492,16 +496,16 @@ struct LoraPass {
       sc.xr[i] = x + tok[t0 + i] * xs;
       sc.yr[i] = STORE ? out + (t0 + i) * out_ld : y + tok[t0 + i] * ys;
     }
-    with_type(dt, [&](auto tag) {
+    const Pools& p = pools;
+    with_type(p.dt, [&](auto tag) {
       using T = decltype(tag);
-      const T *pa = static_cast<const T*>(a), *pb = static_cast<const T*>(b);
-      if constexpr (!FETCHED) touch_adapter(pa, S, R, K, rows[g], ranks[g], pb, N, sc.sink);
-      for (int64_t s = 0; s < S; ++s)
-        shrink_tile(sc.xr.data(), nt, InPool<T>{pa + (s * R + rows[g]) * K, K, ranks[g]}, K, ranks[g],
+      if constexpr (!FETCHED) p.sweep<T>(rows[g], ranks[g], sc.sink);
+      for (int64_t s = 0; s < p.S; ++s)
+        shrink_tile(sc.xr.data(), nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, ranks[g]}, p.K, ranks[g],
                     sc.buf.data() + s * tile * rp, rp);
-      for (int64_t s = 0; s < S; ++s)
-        expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, pb + int64_t(rows[g]) * N, N,
-                           ranks[g], scal[g], offs[s], offs[s + 1]);
+      for (int64_t s = 0; s < p.S; ++s)
+        expand_tile<STORE>(sc.yr.data(), nt, sc.buf.data() + s * tile * rp, rp, p.b_rows<T>(rows[g]), p.bn, ranks[g],
+                           scal[g], offs[s], offs[s + 1]);
     });
   }
 };
@@ -525,11 +529,11 @@ inline void lora_combine(float* y, const float* d, const int64_t* offs, int64_t 
 
 extern "C" {
 
-void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
-                     const void* b, int64_t N, const int64_t* offs, float* y, int64_t ys, const int64_t* tok,
-                     const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G,
-                     int nthreads) {
-  const LoraPass pass{x, xs, a, dt, S, R, K, b, N, offs, y, ys, tok, seg, rows, ranks, scal, G,
+void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K, int64_t ak,
+                     const void* b, int64_t N, int64_t bn, const int64_t* offs, float* y, int64_t ys,
+                     const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                     const float* scal, int64_t G, int nthreads) {
+  const LoraPass pass{x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G,
                       LoraItems(seg, ranks, G, nthreads)};
   const int64_t n_items = pass.items.size();
   if (n_items == 0) return;

@@ -258,6 +258,54 @@ def test_16_bit_pools_give_the_bits_of_their_float32_values(pool_dtype, threads,
     assert torch.equal(ref16, lora.lora_expand_ref(lora.lora_shrink_ref(x, a32, meta), b32, offs, meta, y0.clone()))
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("case", ["prefill chunks", "decode, wide"])
+def test_pools_in_padded_rows_give_the_contiguous_pools_bits(pool_dtype, threads, case, monkeypatch):
+    """Pools whose rows are longer than K and N (a CPU LoraPool's pool_row padding; the padding holds NaN, so a read
+    of it would show) give bitwise what contiguous pools of the same values give: the one-pass LoRA, and the GEMM
+    with the deltas in its tiles (A rows packed, B rows widened) or its pass beside it."""
+    from loom.kernels import cpu_lora
+    from loom.kernels.cpu_linear import PackedWeight
+
+    monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
+    torch.manual_seed(11)
+    if case == "prefill chunks":
+        meta, R, owner = kcases.contiguous_lora_meta([(0, 37), (-1, 3), (1, 20), (3, 260)], [16, 5, 8, 64])
+        K, offs = 43, [0, 48, 61, 61 + 130]
+    else:
+        order = [5, 2, 0, -1, 7, 3, 1, 9, 4, -1, 8, 6]
+        meta, R, owner = kcases.contiguous_lora_meta([(g, 1) for g in order], [16, 5, 8, 3, 1, 7, 12, 4, 9, 2])
+        K, offs = 263, [0, 517, 650, 650 + 709]
+    T, N = len(owner), offs[-1]
+    a, b = torch.randn(3, R, K).to(pool_dtype), torch.randn(R, N).to(pool_dtype)
+    a_wide = torch.full((3, R, K + 16), float("nan"), dtype=pool_dtype)
+    b_wide = torch.full((R, N + 32), float("nan"), dtype=pool_dtype)
+    a_wide[..., :K], b_wide[:, :N] = a, b
+    ap, bp = a_wide[..., :K], b_wide[:, :N]
+    assert cpu_ext.adapter_type(ap, bp) is not None and not ap.is_contiguous() and not bp.is_contiguous()
+    x, y0 = torch.randn(T, K), torch.randn(T, N)
+    got = cpu_lora.lora_apply_cpu(x, y0.clone(), ap, bp, offs, meta)
+    assert torch.equal(got, cpu_lora.lora_apply_cpu(x, y0.clone(), a, b, offs, meta)) and not got.isnan().any()
+    pw = PackedWeight(torch.randn(N, K), torch.randn(N))
+    for fuse_min in (1, cpu_lora.FUSE_MIN_TOKENS):
+        monkeypatch.setattr(cpu_lora, "FUSE_MIN_TOKENS", fuse_min)
+        assert torch.equal(pw.with_lora(x, ap, bp, offs, meta), pw.with_lora(x, a, b, offs, meta))
+
+
+def test_pool_rows_do_not_share_l1_sets():
+    """CPU pool rows of any whole number of cache lines are stored so that 16 rank rows (what the kernels read
+    together) start in 16 different L1 sets (64 sets of 64-byte lines), at most one line longer."""
+    from loom.kernels.cpu_lora import pool_row
+
+    for dtype in (torch.float32, torch.bfloat16):
+        line = 64 // torch.empty((), dtype=dtype).element_size()
+        for n in range(line, 512 * line + 1, line):  # up to 32 KiB rows: hidden sizes, 4 x 8,192 MLPs
+            stride = pool_row(n, dtype)
+            assert stride - n in (0, line), (dtype, n)
+            assert len({r * stride // line % 64 for r in range(16)}) == 16, (dtype, n, stride)
+
+
 @pytest.mark.parametrize("scal_dtype", [torch.float32, torch.float64])  # float64: the kernel needs a converted copy
 def test_lora_cpu_meta_updated_in_place(scal_dtype):
     """A meta reused across steps with its tensors rewritten in place (the CUDA-graph path's static meta) gives

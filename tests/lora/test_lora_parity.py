@@ -20,7 +20,7 @@ from harness.lora import (
     write_raw_adapter,
 )
 from loom.engine.config import EngineConfig
-from loom.lora import AdapterRegistry, LoraModelSpec
+from loom.lora import AdapterRegistry, LoraModelSpec, LoraPool
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def setup(tiny_base, adapter_set):
 def _registry(root, cfg, memory_rows=256, **kw):
     spec = LoraModelSpec.from_hf_config(cfg)
     holders = holder_model(cfg)
-    conf = EngineConfig(adapter_roots=[root], lora_memory_bytes=memory_rows * spec.bytes_per_row(torch.float32), **kw)
+    row = LoraPool.row_bytes_for(spec, torch.float32, "cpu")
+    conf = EngineConfig(adapter_roots=[root], lora_memory_bytes=memory_rows * row, **kw)
     return AdapterRegistry(conf, holders, "cpu", torch.float32), holders
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
+from loom.kernels import cpu_ext
 from loom.lora import LoraModelSpec, LoraPool, RowAllocator, load_peft_adapter
+from loom.lora.lora_pool import stored_row
 
 
 def test_allocator_first_fit_and_coalescing():
@@ -67,12 +69,16 @@ def test_pool_attach_write_read(tmp_path):
     assert spec.bytes_per_row(torch.float32) == 2 * (3 * 64 + 128 + 64 + 64 + 2 * 64 + 256 + 128 + 64) * 4
     model = holder_model(cfg)
     assert LoraModelSpec.from_model(model) == spec
-    pool = LoraPool(spec, LoraPool.capacity_for(spec, 20 * spec.bytes_per_row(torch.float32) + 5, torch.float32),
-                    "cpu", torch.float32)
-    assert pool.capacity == 20
+    # on the CPU a row of 128 floats (8 cache lines) is stored in 144, one of 64 in 64 (kernels/cpu_lora.py pool_row)
+    stored = 2 * (3 * 64 + 144 + 64 + 64 + 2 * 64 + 272 + 144 + 64) * 4
+    assert spec.bytes_per_row(torch.float32, stored_row("cpu", torch.float32)) == stored
+    pool = LoraPool(spec, LoraPool.capacity_for(spec, 20 * stored + 5, torch.float32, "cpu"), "cpu", torch.float32)
+    assert pool.capacity == 20 and pool.row_bytes == stored and pool.nbytes == 20 * stored
     pool.attach(model)
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert qkv.lora_a.shape == (3, 20, 64) and qkv.lora_b.shape == (20, 128)
+    assert qkv.lora_a.stride() == (20 * 64, 64, 1) and qkv.lora_b.stride() == (144, 1)
+    assert cpu_ext.adapter_type(qkv.lora_a, qkv.lora_b) == 0  # the C++ kernels take the padded rows
     assert qkv.lora_a.data_ptr() == pool.a["qkv_proj"][1].data_ptr()
     w1 = load_peft_adapter(write_raw_adapter(str(tmp_path / "a"), cfg, 1, 4, 8, ["q_proj", "down_proj"]),
                            "a", spec, torch.float32, 64)

@@ -13,11 +13,11 @@ import loom.lora.adapter_registry as registry_mod
 from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
 from loom.engine.config import EngineConfig
 from loom.errors import RequestError
-from loom.lora import AdapterRegistry, LoraModelSpec, build_lora_meta
+from loom.lora import AdapterRegistry, LoraModelSpec, LoraPool, build_lora_meta
 
 CFG = tiny_llama_config()
 SPEC = LoraModelSpec.from_hf_config(CFG)
-ROW = SPEC.bytes_per_row(torch.float32)
+ROW = LoraPool.row_bytes_for(SPEC, torch.float32, "cpu")
 
 
 def make_reg(roots, rows=64, **kw):
@@ -442,7 +442,7 @@ def test_adapter_loads_open_no_second_openmp_team(tmp_path):
         write_raw_adapter(str(tmp_path / "big"), cfg, seed=0, r=64, alpha=64, target_modules=["down_proj"])
         spec = LoraModelSpec.from_hf_config(cfg)
         conf = EngineConfig(adapter_roots=[str(tmp_path)], max_lora_rank=64,
-                            lora_memory_bytes=128 * spec.bytes_per_row(torch.float32))
+                            lora_memory_bytes=128 * LoraPool.row_bytes_for(spec, torch.float32, "cpu"))
         reg = AdapterRegistry(conf, None, "cpu", torch.float32, spec=spec)
         reg._executor.submit(lambda: None).result()  # the loader thread itself
         before = len(os.listdir("/proc/self/task"))

@@ -9,7 +9,7 @@ import torch
 
 from harness.hf_models import make_hf_model, make_peft_adapter
 from loom.engine.config import EngineConfig
-from loom.lora import AdapterRegistry, LoraModelSpec, build_lora_meta
+from loom.lora import AdapterRegistry, LoraModelSpec, LoraPool, build_lora_meta
 from loom.lora.adapter_registry import DENSE, EXPERT
 from loom.models.loader import load_model
 
@@ -36,7 +36,7 @@ def moe(tmp_path_factory):
 def _registry(moe, dense_rows, expert_rows):
     model, root = moe
     spec = LoraModelSpec.from_model(model)
-    dense, expert = (spec.space(e).bytes_per_row(torch.float32) for e in (False, True))
+    dense, expert = (LoraPool.row_bytes_for(spec.space(e), torch.float32, "cpu") for e in (False, True))
     conf = EngineConfig(adapter_roots=[str(root)], lora_memory_bytes=dense_rows * dense,
                         lora_expert_memory_bytes=expert_rows * expert)
     return AdapterRegistry(conf, model, "cpu", torch.float32)

@@ -2,6 +2,7 @@
 PEFT (float32); MoE expert LoRA (PEFT target_parameters) included, and what PEFT would apply differently refused."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -20,7 +21,8 @@ from loom.engine.config import EngineConfig
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 from loom.errors import RequestError
-from loom.lora import AdapterRegistry
+from loom.kernels.cpu_lora import pool_row
+from loom.lora import AdapterRegistry, LoraPool
 from loom.lora.peft_loader import AdapterLoadError, LoraModelSpec, load_peft_adapter
 from tests.models.parity import check
 
@@ -79,11 +81,12 @@ def test_dense_rows_on_mixtral_cost_what_they_cost_on_a_dense_model(tiny_model, 
     H, L, E, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_local_experts, cfg.intermediate_size
     hd = getattr(cfg, "head_dim", None) or H // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    dense_row = L * (3 * H + q + 2 * kv + q + H) * 4  # qkv_proj (A per slice, B) and o_proj, float32
+    p = functools.partial(pool_row, dtype=torch.float32)  # a CPU pool's row of n floats
+    dense_row = L * (3 * p(H) + p(q + 2 * kv) + p(q) + p(H)) * 4  # qkv_proj (A per slice, B) and o_proj, float32
     llama = LoraModelSpec.from_hf_config(cfg)  # a dense model of the same shapes: its attention groups
     attention = LoraModelSpec(llama.num_layers, tuple(g for g in llama.groups if g.name in ("qkv_proj", "o_proj")))
-    assert attention.bytes_per_row(torch.float32) == dense_row
-    expert_row = L * E * (2 * H + 2 * inter + inter + H) * 4
+    assert LoraPool.row_bytes_for(attention, torch.float32, "cpu") == dense_row
+    expert_row = L * E * (2 * p(H) + p(2 * inter) + p(inter) + p(H)) * 4
     for expert_bytes in (0, 3 * expert_row + 7):
         llm = _llm(path, root, lora_memory_bytes=10 * dense_row + 5, lora_expert_memory_bytes=expert_bytes)
         reg = llm.engine.adapters

@@ -53,10 +53,10 @@ def test_management_paths_stay_inside_the_roots(adapter_root, outside_dir):
     from harness.default_model import ensure_default_model
     from harness.lora import holder_model
     from loom.engine.config import EngineConfig
-    from loom.lora import AdapterRegistry, LoraModelSpec
+    from loom.lora import AdapterRegistry, LoraModelSpec, LoraPool
 
     cfg = AutoConfig.from_pretrained(str(ensure_default_model()))
-    row = LoraModelSpec.from_hf_config(cfg).bytes_per_row(torch.float32)
+    row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(cfg), torch.float32, "cpu")
     reg = AdapterRegistry(EngineConfig(adapter_roots=[str(adapter_root)], lora_memory_bytes=64 * row),
                           holder_model(cfg), "cpu", torch.float32)
     try:
