@@ -208,7 +208,7 @@ def adapter_type(a: torch.Tensor, b: torch.Tensor) -> int | None:
     a [S, R, K] and b [R, N] in rows, possibly padded: a.stride(1) >= K, b.stride(0) >= N), else None."""
     if not (a.is_cpu and b.is_cpu and a.dtype == b.dtype and a.dim() == 3 and b.dim() == 2):
         return None
-    S, R, K = a.shape
+    _, R, K = a.shape
     rows = a.stride(2) == 1 and a.stride(1) >= K and a.stride(0) == R * a.stride(1) and b.stride(1) == 1 \
         and b.stride(0) >= b.shape[1]
     return ADAPTER_TYPES.get(a.dtype) if rows else None

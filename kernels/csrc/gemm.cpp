@@ -139,8 +139,7 @@ struct LoraEpilogue {
   int64_t coef_ld, rank_pad;
   const float* b;  // B rows [., N], ldb apart: the pool's, or widened to float32
   int64_t ldb;
-  const int64_t* offs;  // slice column offsets [S + 1]
-  int64_t S;
+  const int64_t* offs;  // slice column offsets [pools.S + 1]
   Pools pools;
   std::vector<Group> groups;
   std::vector<int32_t> group;
@@ -165,7 +164,7 @@ struct LoraEpilogue {
         if (!gr) continue;
         for (int64_t i = 0; i < n; ++i) xr[i] = A + (m + i) * lda;
         const int64_t rk = gr->rank;
-        for (int64_t s = 0; s < S; ++s) {
+        for (int64_t s = 0; s < pools.S; ++s) {
           float* out = coef + m * coef_ld + s * rank_pad;
           if (gr->packed)
             shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld);
@@ -184,7 +183,7 @@ struct LoraEpilogue {
     const Group* gm = of(m);
 #if defined(__AVX512F__)
     if (c1 - c0 == NR && gm && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
-      for (int64_t s = 0; s < S; ++s)
+      for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           float* y = C + m * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
@@ -195,7 +194,7 @@ struct LoraEpilogue {
     }
 #elif defined(__AVX2__)
     if (c1 - c0 == NR && mr == 4 && gm && same_group(m, 4)) {  // a whole tile of one group: shared loads
-      for (int64_t s = 0; s < S; ++s)
+      for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * ldb + c0, ldb, gm->rank,
                 gm->scale);
@@ -206,7 +205,7 @@ struct LoraEpilogue {
     for (int64_t t = m; t < m + mr; ++t) {
       const Group* gt = of(t);
       if (!gt) continue;
-      for (int64_t s = 0; s < S; ++s) {
+      for (int64_t s = 0; s < pools.S; ++s) {
         const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
         if (lo >= hi) continue;
         const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
@@ -367,29 +366,27 @@ constexpr int64_t PASS_AHEAD_BYTES = 256 << 10;
 
 // The items of a LoRA pass one thread claims and has its GEMM tiles ask for (into L2, per_k lines a k): as soon as one
 // item's rows were all asked for, the next item is claimed and its rows asked for, in the same tile, until the items
-// asked for and not yet run hold `budget` bytes; those asked for whole run at the next panel boundary, from cache.
+// asked for and not yet run hold PASS_AHEAD_BYTES; those asked for whole run at the next panel boundary, from cache.
 // With one item at a time a panel's slots after its item's rows went unused, so where items are small against a
 // panel (o, down: one item a panel) most of them ran unfetched after the panels.
 struct PassFetch {
   static constexpr int RING = 8;
   const LoraPass& pass;
   std::atomic<int64_t>& next_item;
-  int64_t budget;
-  int per_k;
+  int per_k;  // lines a k gemm_panel's tiles ask for
   Ahead ah;  // the ranges of ring[n - 1], the item being asked for
   int64_t ring[RING];  // claimed items, in order; all but ring[n - 1] asked for whole
   int n = 0;
   int64_t bytes = 0;  // rows of the items in ring
   bool out = false;   // no item left to claim
 
-  PassFetch(const LoraPass& p, std::atomic<int64_t>& next, int64_t budget_bytes, int lines_per_k)
-      : pass(p), next_item(next), budget(budget_bytes), per_k(lines_per_k) {
-    ah.per_k = per_k;
+  PassFetch(const LoraPass& p, std::atomic<int64_t>& next, int lines_per_k)
+      : pass(p), next_item(next), per_k(lines_per_k) {
     grow();
   }
   // claim the next item and start asking for its rows, where there is room
   bool grow() {
-    if (out || n == RING || (n > 0 && bytes >= budget)) return false;
+    if (out || n == RING || (n > 0 && bytes >= PASS_AHEAD_BYTES)) return false;
     const int64_t w = next_item.fetch_add(1, std::memory_order_relaxed);
     if (w >= pass.items.size()) return out = true, false;
     ring[n++] = w;
@@ -437,7 +434,7 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   {
     if (lora) lora->shrink(A, lda, K, 0, M, shrink_chunk(M, nthreads));
     LoraPass::Scratch sc(pass);
-    PassFetch pf(pass, next_item, PASS_AHEAD_BYTES, per_k);
+    PassFetch pf(pass, next_item, per_k);
     for (int64_t p; (p = next_panel.fetch_add(1, std::memory_order_relaxed)) < P;) {
       pf.run_ready(sc, delta.get(), N);
       gemm_panel(A, lda, 0, M, K, Bp, N, p, bias, C, ldc, lora, &pf);
@@ -513,7 +510,7 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
     });
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
   std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, bn, offs, S, pools, {}, std::vector<int32_t>(M, -1)};
+  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
   for (int64_t g = 0; g < big.groups(); ++g) {
     ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
                          a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});

@@ -90,7 +90,7 @@ Ahead rows_to_fetch(const LoomLinear& l, bool lora, const LoomStep& st, int64_t 
   for (int64_t g = 0; g < st.groups; ++g) {
     const int64_t rk = st.ranks[g], more = pools.bytes(rk);
     if (rk <= 0 || st.seg[g + 1] - st.seg[g] < st.fuse_min) continue;
-    if (ah.cnt + l.S + 1 > 8 || bytes + more > FETCH_BYTES) break;
+    if (ah.cnt + l.S + 1 > Ahead::MAX_RANGES || bytes + more > FETCH_BYTES) break;
     pools.rows(st.rows[g], rk, ah);
     bytes += more;
   }

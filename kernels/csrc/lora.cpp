@@ -358,14 +358,15 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
 // Cache lines to ask for ahead of their use, a chunk at a time: up to 8 byte ranges (adapter rows: a pass item's, or
 // the next linear's) that the GEMM's tiles prefetch into L2 while their FMAs run (gemm_with_pass, gemm's fetch).
 struct Ahead {
-  const char* p[8];
-  int64_t n[8];  // bytes
+  static constexpr int MAX_RANGES = 8;
+  const char* p[MAX_RANGES];
+  int64_t n[MAX_RANGES];  // bytes
   int cnt = 0, cur = 0, per_k = 1;
   int64_t off = 0;  // bytes of p[cur] already asked for
 
   void clear() { cnt = cur = 0, off = 0; }
   void add(const void* q, int64_t bytes) {
-    if (bytes > 0 && cnt < 8) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
+    if (bytes > 0 && cnt < MAX_RANGES) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
   }
   bool done() const { return cur >= cnt; }
   // the next up to `lines` cache lines, within one range: (start, lines)
