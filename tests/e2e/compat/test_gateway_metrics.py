@@ -99,6 +99,19 @@ def names(label: str) -> set[str]:
     return set(label.split(",")) - {""}
 
 
+def settled_lora_series(server, tries: int = 20):
+    """A scrape and its lora_requests_info series, scraped again while a relabel is half done: the Python backend's
+    metrics API has no atomic relabel, so for the ~0.1 ms between dropping the old series, creating the new one and
+    setting its value, a scrape can find no series or a value of 0. Returns the last scrape whatever it shows."""
+    for _ in range(tries):
+        snap = samples(server)
+        series = lora_series(snap)
+        if len(series) == 1 and series[0].value > 0:
+            break
+        time.sleep(0.005)
+    return snap, series
+
+
 def test_gateway_gauges_while_adapters_run_and_wait(client, server):
     res, err = client.run(make_inputs(""), parameters={"adapter_op": "info"})
     assert err is None, err
@@ -112,9 +125,8 @@ def test_gateway_gauges_while_adapters_run_and_wait(client, server):
     snaps = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        snap = samples(server)
+        snap, series = settled_lora_series(server)
         snaps.append(snap)
-        series = lora_series(snap)
         assert len(series) == 1, [s.labels for s in series]  # current sets, not a history of label sets
         lab = series[0].labels
         running, waiting = names(lab["running_lora_adapters"]), names(lab["waiting_lora_adapters"])
@@ -140,7 +152,7 @@ def test_gateway_gauges_while_adapters_run_and_wait(client, server):
     assert any(value(s, "vllm:kv_cache_usage_perc") > 0 for s in snaps)
 
     def idle():
-        series = lora_series(samples(server))
+        _, series = settled_lora_series(server)
         return len(series) == 1 and not names(series[0].labels["running_lora_adapters"]) \
             and not names(series[0].labels["waiting_lora_adapters"])
     assert wait_for(idle), "the adapter sets must empty once nothing runs or waits"
