@@ -175,6 +175,10 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     assert "cap the distinct ratio at 0.67" in text
     assert "(bound if read after the GEMMs 0.67)" in text
     assert "loom (2t): 2 distinct adapters" not in text  # no bandwidth measured for it
+    # a ratio just below a target prints as below it
+    near = bl.report({"loom": {"1": res(100.0, 94.99, 85.0) | {"rounds": []}}, "vllm": {}, "adapter_bytes": 0}, args)
+    assert "TARGET loom (1t): one adapter >= 0.95x: 0.9499x NOT met" in near
+    assert "TARGET loom (1t): 2 distinct >= 0.85x loom's no-LoRA: 0.8500x met" in near
 
 
 def test_distinct_ceiling_is_base_time_over_base_plus_reading_every_adapter_each_decode_step():
