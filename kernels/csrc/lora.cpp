@@ -115,12 +115,14 @@ inline __m512 twice8(const float* p) {
 // of 2,048 tokens on one adapter, every layer of the default model, Zen 5 core: 195-252 -> 103-145 ms added to the
 // GEMMs, of which about 95 are the LoRA's FLOPs at the GEMMs' rate).
 template <int TI, class A>
-inline void shrink_block(const float* const* x, const A& a, int64_t K, float* out) {
+inline void shrink_block(const float* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
+                         int64_t pf_lines = 0) {
   int64_t k = 0;
 #if defined(__AVX512F__)
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
+    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
     const __m512 a01 = a.pair(0, k), a23 = a.pair(1, k);
     for (int i = 0; i < TI; ++i) {
       const __m512 xv = twice8(x[i] + k);
@@ -138,6 +140,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
+    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
     const __m256 a0 = a.row8(0, k), a1 = a.row8(1, k), a2 = a.row8(2, k), a3 = a.row8(3, k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + k);
@@ -150,6 +153,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) out[i * 4 + j] = hsum(acc[i][j]);
 #else
+  (void)pf, (void)pf_lines;
   for (int i = 0; i < TI * 4; ++i) out[i] = 0.f;
 #endif
   for (; k < K; ++k)
@@ -219,12 +223,14 @@ inline void expand_block(float* const* y, const float* const* coef, const T* b, 
 // 10 of 15), a 2,048-token prefill chunk +20 and -33 ms (one adapter, two runs), -66 ms (32 adapters, bfloat16, 7
 // of 7) of ~2.4 s.
 template <int TI, class A>
-inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* out) {
+inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
+                         int64_t pf_lines = 0) {
   __m512 acc[TI][4];
   for (int i = 0; i < TI; ++i)
     for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
+    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
     __m512 av[4];
     for (int h = 0; h < 4; ++h) av[h] = a.pair(h, k);
     for (int i = 0; i < TI; ++i) {
@@ -257,28 +263,49 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 
 // The tile's shrink: buf[i * rank_pad + r] = x_i . a_r (a: InPool or Paired), rank rows in blocks of 4 (the last
 // block repeats rows; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
+// pf (nullable): pf_lines cache lines from there asked for into L2 along the way, a line per 8 columns of a block.
 template <class Rows>
 void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
-                 int64_t rank_pad) {
+                 int64_t rank_pad, const char* pf = nullptr, int64_t pf_lines = 0) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
+  const int64_t token_blocks = (nt + SHRINK_ROWS - 1) / SHRINK_ROWS;
+  // the lines a block's call asks for: an even share of what is left over the calls left
+  int64_t calls_left = 0;
+  const auto share = [&]() {
+    const int64_t n = std::min(K / 8, (pf_lines + calls_left - 1) / std::max<int64_t>(calls_left, 1));
+    const char* p = pf;
+    pf += 64 * n;
+    pf_lines -= n;
+    --calls_left;
+    return std::pair<const char*, int64_t>{p, n};
+  };
 #ifdef __AVX512F__
   float out8[SHRINK_ROWS * 8];
+  calls_left = (rank / 8 + rank % 8 / 4 + (rank % 4 != 0)) * token_blocks;
   for (; r0 + 8 <= rank; r0 += 8) {
     const auto rows = a.template block<8>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_rows8<decltype(r)::value>(x + i0, rows, K, out8); });
+      const auto f = share();
+      with_rows<SHRINK_ROWS>(ti, [&](auto r) {
+        shrink_rows8<decltype(r)::value>(x + i0, rows, K, out8, f.first, f.second);
+      });
       for (int64_t i = 0; i < ti; ++i)
         for (int j = 0; j < 8; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out8[i * 8 + j];
     }
   }
+#else
+  calls_left = (rank + 3) / 4 * token_blocks;
 #endif
   for (; r0 < rank; r0 += 4) {
     const auto rows = a.template block<4>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      with_rows<SHRINK_ROWS>(ti, [&](auto r) { shrink_block<decltype(r)::value>(x + i0, rows, K, out); });
+      const auto f = share();
+      with_rows<SHRINK_ROWS>(ti, [&](auto r) {
+        shrink_block<decltype(r)::value>(x + i0, rows, K, out, f.first, f.second);
+      });
       for (int64_t i = 0; i < ti; ++i)
         for (int j = 0; j < 4; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out[i * 4 + j];
     }
