@@ -152,21 +152,23 @@ struct LoraEpilogue {
   // first read x from memory once more (2,048 tokens on one adapter, K 576, N 576, rank 16, one thread: that shrink
   // alone took 0.86 ms against 0.35 for its FLOPs at the GEMM's rate).
   //
-  // A packed group's shrink asks for the x rows of the chunk its thread likely takes next (its thread count ahead)
-  // while it computes: x has mostly left the last-level cache since the layer's previous linear wrote it, and read
-  // on demand its lines stalled the shrink (2,048 x 576 on three slices, one thread, the last-level cache flushed
-  // first: 1.09 -> 1.23 ms; 2,048 x 1,536: 0.93 -> 1.26). The bench_lora setting on one adapter, the same build with
-  // and without, rounds alternating in one process, median of 9 one adapter / no LoRA: one thread 0.9465 -> 0.9502
-  // (9 of 9 rounds), two 0.9465 -> 0.9659 (8 of 9); the same tokens.
+  // The first slice's shrink asks for x rows a token block ahead (shrink_tile's fetch_x), the chunk's last block for
+  // the first rows of the chunk this thread likely takes next (its thread count ahead): x has mostly left the
+  // last-level cache since the layer's previous linear wrote it, and read on demand its lines stalled the shrink
+  // (packed, 2,048 x 576 on three slices, one thread, the last-level cache flushed first: 1.09 -> 1.23 ms; 2,048 x
+  // 1,536: 0.93 -> 1.26). The bench_lora setting, the same build with and without, rounds alternating in one process,
+  // median adapter / no-LoRA ratio: one adapter, one thread 0.9461 -> 0.9507 (7 of 7 rounds), two 0.9487 -> 0.9494
+  // (6 of 9); 32 distinct, two threads 0.8450 -> 0.8459; the same tokens.
   void shrink(const float* A, int64_t lda, int64_t K, int64_t m0, int64_t m1, int64_t chunk) const {
     const float* xr[LORA_MAX_TILE];
     const int64_t n_chunks = (m1 - m0 + chunk - 1) / chunk, ahead = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < n_chunks; ++c) {
       const int64_t end = std::min(m1, m0 + (c + 1) * chunk);
-      const int64_t n0 = std::min(m1, m0 + (c + ahead) * chunk), n1 = std::min(m1, n0 + chunk);
-      const char* pf = reinterpret_cast<const char*>(A + n0 * lda);
-      int64_t pf_left = n1 > n0 ? ((n1 - n0 - 1) * lda + K) * 4 / 64 + 1 : 0;  // lines of rows [n0, n1)
+      // the first token block of the chunk this thread likely takes next
+      const int64_t n0 = std::min(m1, m0 + (c + ahead) * chunk), n1 = std::min<int64_t>(m1, n0 + SHRINK_ROWS);
+      const char* next = n1 > n0 ? reinterpret_cast<const char*>(A + n0 * lda) : nullptr;
+      const int64_t next_lines = n1 > n0 ? ((n1 - n0 - 1) * lda + K) * 4 / 64 + 1 : 0;
       for (int64_t m = m0 + c * chunk, n; m < end; m += n) {
         for (n = 1; m + n < end && group[m + n] == group[m]; ++n) {
         }
@@ -174,17 +176,20 @@ struct LoraEpilogue {
         if (!gr) continue;
         for (int64_t i = 0; i < n; ++i) xr[i] = A + (m + i) * lda;
         const int64_t rk = gr->rank;
+        const bool last = m + n >= end;  // the chunk's last run: the next chunk's rows after its last token block
         for (int64_t s = 0; s < pools.S; ++s) {
           float* out = coef + m * coef_ld + s * rank_pad;
-          const int64_t lines = (pf_left + pools.S - s - 1) / (pools.S - s);  // this slice's share
-          if (gr->packed) {
-            shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld, pf, lines);
-            pf += 64 * lines;
-            pf_left -= lines;
-          } else
+          // the first slice reads the run's x rows from memory; the others find them in L2
+          const bool fx = s == 0;
+          const char* nx = last ? next : reinterpret_cast<const char*>(A + (m + n) * lda);
+          const int64_t nl = last ? next_lines : K * 4 / 64 + 1;  // not last: the next run's first row
+          if (gr->packed)
+            shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld, fx, nx, nl);
+          else
             with_type(pools.dt, [&](auto tag) {
               using T = decltype(tag);
-              shrink_tile(xr, n, InPool<T>{pools.a_rows<T>(s, gr->a_row), pools.ak, rk}, K, rk, out, coef_ld);
+              shrink_tile(xr, n, InPool<T>{pools.a_rows<T>(s, gr->a_row), pools.ak, rk}, K, rk, out, coef_ld, fx, nx,
+                          nl);
             });
         }
       }

@@ -122,7 +122,10 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
+    if (k / 4 < pf_lines) {  // two lines each 8 columns
+      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
+      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
+    }
     const __m512 a01 = a.pair(0, k), a23 = a.pair(1, k);
     for (int i = 0; i < TI; ++i) {
       const __m512 xv = twice8(x[i] + k);
@@ -140,7 +143,10 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
+    if (k / 4 < pf_lines) {  // two lines each 8 columns
+      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
+      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
+    }
     const __m256 a0 = a.row8(0, k), a1 = a.row8(1, k), a2 = a.row8(2, k), a3 = a.row8(3, k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + k);
@@ -230,7 +236,10 @@ inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* ou
     for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (k / 8 < pf_lines) _mm_prefetch(pf + 8 * k, _MM_HINT_T1);
+    if (k / 4 < pf_lines) {  // two lines each 8 columns
+      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
+      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
+    }
     __m512 av[4];
     for (int h = 0; h < 4; ++h) av[h] = a.pair(h, k);
     for (int i = 0; i < TI; ++i) {
@@ -263,31 +272,29 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 
 // The tile's shrink: buf[i * rank_pad + r] = x_i . a_r (a: InPool or Paired), rank rows in blocks of 4 (the last
 // block repeats rows; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
-// pf (nullable): pf_lines cache lines from there asked for into L2 along the way, a line per 8 columns of a block.
+// fetch_x: the first block of rank rows, which reads x rows from memory, asks for the next token block's x rows into L2
+// while it computes one (up to two lines a kernel's 8 columns), and its last token block for [next, next + next_lines
+// lines) (nullable: the token block the caller runs next).
 template <class Rows>
 void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
-                 int64_t rank_pad, const char* pf = nullptr, int64_t pf_lines = 0) {
+                 int64_t rank_pad, bool fetch_x = false, const char* next = nullptr, int64_t next_lines = 0) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
-  const int64_t token_blocks = (nt + SHRINK_ROWS - 1) / SHRINK_ROWS;
-  // the lines a block's call asks for: an even share of what is left over the calls left
-  int64_t calls_left = 0;
-  const auto share = [&]() {
-    const int64_t n = std::min(K / 8, (pf_lines + calls_left - 1) / std::max<int64_t>(calls_left, 1));
-    const char* p = pf;
-    pf += 64 * n;
-    pf_lines -= n;
-    --calls_left;
-    return std::pair<const char*, int64_t>{p, n};
+  // what the call for token block i0 asks for
+  const auto ahead = [&](int64_t i0) {
+    if (!fetch_x || r0 > 0) return std::pair<const char*, int64_t>{nullptr, 0};
+    const int64_t j0 = i0 + SHRINK_ROWS, j1 = std::min<int64_t>(nt, j0 + SHRINK_ROWS);
+    if (j0 >= nt) return std::pair<const char*, int64_t>{next, next ? next_lines : 0};
+    const char* p = reinterpret_cast<const char*>(x[j0]);
+    return std::pair<const char*, int64_t>{p, (reinterpret_cast<const char*>(x[j1 - 1] + K) - p + 63) / 64};
   };
 #ifdef __AVX512F__
   float out8[SHRINK_ROWS * 8];
-  calls_left = (rank / 8 + rank % 8 / 4 + (rank % 4 != 0)) * token_blocks;
   for (; r0 + 8 <= rank; r0 += 8) {
     const auto rows = a.template block<8>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      const auto f = share();
+      const auto f = ahead(i0);
       with_rows<SHRINK_ROWS>(ti, [&](auto r) {
         shrink_rows8<decltype(r)::value>(x + i0, rows, K, out8, f.first, f.second);
       });
@@ -295,14 +302,12 @@ void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, in
         for (int j = 0; j < 8; ++j) buf[(i0 + i) * rank_pad + r0 + j] = out8[i * 8 + j];
     }
   }
-#else
-  calls_left = (rank + 3) / 4 * token_blocks;
 #endif
   for (; r0 < rank; r0 += 4) {
     const auto rows = a.template block<4>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      const auto f = share();
+      const auto f = ahead(i0);
       with_rows<SHRINK_ROWS>(ti, [&](auto r) {
         shrink_block<decltype(r)::value>(x + i0, rows, K, out, f.first, f.second);
       });
