@@ -98,11 +98,15 @@ class LoraModelSpec:
     @property
     def elems_per_row(self) -> int:
         """Pool elements of one rank row: every group in each layer that has it."""
-        return sum(len(self.layers_of(g)) * g.elems_per_row for g in self.groups)
+        return self.stored_per_row(lambda n: n)
+
+    def stored_per_row(self, row: Callable[[int], int]) -> int:
+        """elems_per_row where a pool row of n elements is stored in row(n) (LoraGroupSpec.stored_per_row)."""
+        return sum(len(self.layers_of(g)) * g.stored_per_row(row) for g in self.groups)
 
     def bytes_per_row(self, dtype: torch.dtype, row: Optional[Callable[[int], int]] = None) -> int:
-        """Pool bytes of one rank row; row: as in LoraGroupSpec.stored_per_row (None: unpadded)."""
-        stored = sum(len(self.layers_of(g)) * g.stored_per_row(row or (lambda n: n)) for g in self.groups)
+        """Pool bytes of one rank row; row: as in stored_per_row (None: unpadded)."""
+        stored = self.stored_per_row(row) if row else self.elems_per_row
         return stored * torch.empty((), dtype=dtype).element_size()
 
     def space(self, expert: bool) -> "LoraModelSpec":

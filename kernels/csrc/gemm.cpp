@@ -176,13 +176,13 @@ struct LoraEpilogue {
         if (!gr) continue;
         for (int64_t i = 0; i < n; ++i) xr[i] = A + (m + i) * lda;
         const int64_t rk = gr->rank;
-        const bool last = m + n >= end;  // the chunk's last run: the next chunk's rows after its last token block
+        // after the run's last token block: the next run's first row, or for the chunk's last run the next chunk's
+        const bool last = m + n >= end;
+        const char* nx = last ? next : reinterpret_cast<const char*>(A + (m + n) * lda);
+        const int64_t nl = last ? next_lines : K * 4 / 64 + 1;
         for (int64_t s = 0; s < pools.S; ++s) {
           float* out = coef + m * coef_ld + s * rank_pad;
-          // the first slice reads the run's x rows from memory; the others find them in L2
-          const bool fx = s == 0;
-          const char* nx = last ? next : reinterpret_cast<const char*>(A + (m + n) * lda);
-          const int64_t nl = last ? next_lines : K * 4 / 64 + 1;  // not last: the next run's first row
+          const bool fx = s == 0;  // the first slice reads the run's x rows from memory; the others find them in L2
           if (gr->packed)
             shrink_tile(xr, n, Paired{gr->packed + s * paired_floats(rk, K), K, rk}, K, rk, out, coef_ld, fx, nx, nl);
           else
@@ -534,18 +534,19 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
                          a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
     for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
   }
-  if (small.groups() && row_block_rows(M, mc) == M) {
-    const LoraPass pass{A, lda, pools, offs, C, ldc, small.tok.data(), small.seg.data(),
-                        small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
-                        LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
-    gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
+  if (!small.groups()) {
+    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
     return;
   }
-  gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
-  if (small.groups())
-    loom_lora_apply(A, lda, pools.a, pools.dt, S, pools.R, K, pools.ak, pools.b, N, bn, offs, C, ldc, small.tok.data(),
-                    small.seg.data(), small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
-                    nthreads);
+  const LoraPass pass{A, lda, pools, offs, C, ldc, small.tok.data(), small.seg.data(),
+                      small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
+                      LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
+  if (row_block_rows(M, mc) == M) {
+    gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
+  } else {
+    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
+    run_pass(pass, nthreads);
+  }
 }
 
 }  // namespace

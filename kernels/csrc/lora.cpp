@@ -393,7 +393,8 @@ struct Ahead {
   static constexpr int MAX_RANGES = 8;
   const char* p[MAX_RANGES];
   int64_t n[MAX_RANGES];  // bytes
-  int cnt = 0, cur = 0, per_k = 1;
+  static constexpr int per_k = 1;  // lines a k gemm_panel's tiles ask for (PassFetch may ask for more)
+  int cnt = 0, cur = 0;
   int64_t off = 0;  // bytes of p[cur] already asked for
 
   void clear() { cnt = cur = 0, off = 0; }
@@ -558,16 +559,8 @@ inline void lora_combine(float* y, const float* d, const int64_t* offs, int64_t 
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K, int64_t ak,
-                     const void* b, int64_t N, int64_t bn, const int64_t* offs, float* y, int64_t ys,
-                     const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
-                     const float* scal, int64_t G, int nthreads) {
-  const LoraPass pass{x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G,
-                      LoraItems(seg, ranks, G, nthreads)};
+// loom_lora_apply's work: the pass's items in parallel
+void run_pass(const LoraPass& pass, int nthreads) {
   const int64_t n_items = pass.items.size();
   if (n_items == 0) return;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, n_items)))
@@ -577,6 +570,19 @@ void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t 
     for (int64_t w = 0; w < n_items; ++w) pass.run(w, sc);
     keep(sc.sink);
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K, int64_t ak,
+                     const void* b, int64_t N, int64_t bn, const int64_t* offs, float* y, int64_t ys,
+                     const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                     const float* scal, int64_t G, int nthreads) {
+  run_pass(LoraPass{x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G,
+                    LoraItems(seg, ranks, G, nthreads)},
+           nthreads);
 }
 
 }  // extern "C"

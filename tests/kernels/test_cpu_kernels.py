@@ -356,8 +356,9 @@ def test_packed_gemm_row_blocks_give_the_same_bits(threads, monkeypatch):
     """A long prefill chunk's GEMM takes x in row blocks (kernels/cpu_linear.row_block): with and without LoRA
     deltas in its tiles, any block size (a multiple of the 4-row tile or not, a last block shorter than the others)
     gives bitwise the result of one block, and an x above the size where blocks start is really split (unless its
-    rows are so long that a block would hold only a few)."""
-    from loom.kernels import cpu_linear
+    rows are so long that a block would hold only a few). A group too small to fuse takes the pass: beside the one
+    block's panels, after a blocked GEMM."""
+    from loom.kernels import cpu_linear, cpu_lora
     from loom.kernels.cpu_linear import PackedWeight
 
     monkeypatch.setattr(cpu_ext, "nthreads", lambda: threads)
@@ -366,13 +367,14 @@ def test_packed_gemm_row_blocks_give_the_same_bits(threads, monkeypatch):
     T = cpu_linear.BLOCK_ABOVE_BYTES // (4 * K) + 37
     assert 0 < cpu_linear.row_block(T, K) < T and cpu_linear.row_block(T - 40, K) == 0
     assert cpu_linear.row_block(1 << 16, 2048) == 0  # blocks of a few rows would re-read the weights too often
-    meta, R, owner = kcases.contiguous_lora_meta([(0, T - 700), (-1, 3), (1, 697)], [16, 5])
+    meta, R, owner = kcases.contiguous_lora_meta([(0, T - 707), (-1, 3), (2, 7), (1, 697)], [16, 5, 8])
     w, bias = torch.randn(offs[-1], K), torch.randn(offs[-1])
     pw = PackedWeight(w, bias)
     x, a, b = torch.randn(T, K), torch.randn(3, R, K), torch.randn(R, offs[-1])
     blocked = pw(x), pw.with_lora(x, a, b, offs, meta)
     for rows in (0, 8, 5, 100):  # 0: one block; 5 is taken as 4
-        monkeypatch.setattr(cpu_linear, "row_block", lambda m, k, rows=rows: rows)
+        for module in (cpu_linear, cpu_lora):  # the GEMM's and the LoRA GEMM's
+            monkeypatch.setattr(module, "row_block", lambda m, k, rows=rows: rows)
         assert torch.equal(pw(x), blocked[0]), rows
         assert torch.equal(pw.with_lora(x, a, b, offs, meta), blocked[1]), rows
     assert kcases.rel_err(blocked[0], torch.nn.functional.linear(x, w, bias)) < 1e-5
