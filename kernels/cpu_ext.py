@@ -64,7 +64,7 @@ _SIGNATURES = {
     "loom_gemm_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _I64, _P, _I64, _P, _I64, _P, _P,
                        _P, _P, _P, _I64, _I64, _I64, _I32],
     "loom_decoder_layer_workspace": [_P, _I64],
-    "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P],
+    "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P],
 }
 
 

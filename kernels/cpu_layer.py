@@ -138,7 +138,11 @@ class StepArgs:
 
 
 def decoder_layer(layer: LayerArgs, step: StepArgs, x: torch.Tensor, residual: Optional[torch.Tensor],
-                  workspace: torch.Tensor, x_out: torch.Tensor, res_out: torch.Tensor) -> None:
-    """x, residual [T, hidden] float32 contiguous -> x_out (the layer's MLP output), res_out (its residual)."""
+                  workspace: torch.Tensor, x_out: torch.Tensor, res_out: torch.Tensor,
+                  following: Optional[LayerArgs] = None) -> None:
+    """x, residual [T, hidden] float32 contiguous -> x_out (the layer's MLP output), res_out (its residual).
+    following: the layer that runs next, whose q|k|v adapter rows the last GEMM asks for while it computes (only
+    read as a hint: what it points to must stay allocated, not be current)."""
     layer.lib.loom_decoder_layer(ctypes.byref(layer.struct), ctypes.byref(step.struct), x.data_ptr(),
-                                 _ptr(residual), workspace.data_ptr(), x_out.data_ptr(), res_out.data_ptr())
+                                 _ptr(residual), workspace.data_ptr(), x_out.data_ptr(), res_out.data_ptr(),
+                                 None if following is None else ctypes.byref(following.struct))

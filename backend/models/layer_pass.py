@@ -104,7 +104,9 @@ class LayerPass:
         self._ws = torch.empty(0)
         self._row_buf = torch.empty(0)
 
-    def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor]):
+    def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                 following=None):
+        """following: the decoder layer that runs next, if any (its adapter rows are asked for ahead)."""
         args = self._args(layer)
         if args is None or not (_hidden_rows(x, args.hidden) and _hidden_rows(residual, args.hidden)):
             return layer(positions, x, residual)
@@ -115,7 +117,10 @@ class LayerPass:
         # never the pair being read (by address: the views are made again when the buffers grow)
         reads_a = x.data_ptr() == a[0].data_ptr() or (residual is not None and residual.data_ptr() == a[1].data_ptr())
         out_x, out_res = b if reads_a else a
-        decoder_layer(args, step, x, residual, ws, out_x, out_res)
+        # the next layer's LoomLayer as last made (None until it has run once): its pools may have been replaced since,
+        # but the tensors it points to stay alive in self._layers until it is made again, so asking for them is safe
+        nxt = None if following is None else self._layers.get(id(following))
+        decoder_layer(args, step, x, residual, ws, out_x, out_res, None if nxt is None else nxt[1])
         if args.attn_only:  # a MoE layer: out_x is its block's input
             return layer.mlp(out_x), out_res
         return out_x, out_res

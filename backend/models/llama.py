@@ -111,8 +111,13 @@ class DecoderModel(nn.Module):
             x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))
         residual = None
         run = self.layer_pass
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual) if run is None else run(layer, positions, x, residual)
+        if run is None:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
+        else:
+            layers = list(self.layers)
+            for layer, following in zip(layers, layers[1:] + [None]):
+                x, residual = run(layer, positions, x, residual, following)
         x, _ = self.norm(x, residual)
         return x
 

@@ -127,7 +127,7 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, fl
 // The LoRA deltas a packed GEMM adds to its output tiles while they are in L1 (loom_gemm_lora): per token its group
 // (-1: none) and its shrink coefficients (shrink, each row block's before its panels).
 struct LoraEpilogue {
-  // a group: its B rows in b from b_row, rank and scaling; its A rows packed by pack_pairs (its slices one after
+  // a group: its B rows in b from b_row, rank and scaling; its A rows packed by pack_pair (its slices one after
   // another), or (packed null) read in the pools from a_row
   struct Group {
     int64_t b_row, rank;
@@ -341,7 +341,7 @@ int64_t shrink_chunk(int64_t n, int nthreads) {
   return std::max<int64_t>(4, (n + 4 * chunks - 1) / (4 * chunks) * 4);
 }
 
-// A group of this many tokens has its A rows packed for the shrink (pack_pairs: one load for two rows' 8 columns
+// A group of this many tokens has its A rows packed for the shrink (pack_pair: one load for two rows' 8 columns
 // instead of two and a shuffle); smaller ones read them in the pool, where packing costs more than it saves. Default
 // model's four linear layers, rank 16, against reading every group in the pool, one / two threads, ms a layer: 2,048
 // tokens on one adapter 8.17 -> 7.88 / 4.16 -> 3.97; packing groups of 64 too, 32 adapters of 64 tokens went 9.94 ->
@@ -357,7 +357,11 @@ int64_t row_block_rows(int64_t M, int64_t mc) { return mc >= M || mc <= 0 ? M : 
 // element's arithmetic does not depend on mc.
 //
 // fetch (nullable): byte ranges that the next call will read (the next linear's adapter rows, see layer.cpp), which
-// every thread's tiles ask for into L2 in the first row block, a line a k, while their FMAs run.
+// every thread's tiles ask for into L2, a line a k, while their FMAs run: over the last panels of its share of the last
+// row block, as many as the lines need and one more. Asked for at the start, they had left L2 again by the end under the
+// weights streaming through it (gate|up's 7 MB). Decode steps of the bench_lora setting on one adapter, the same build
+// with and without, rounds alternating in one process, median step, ms added by the adapter: one thread 4.79 -> 4.51,
+// two 2.68 -> 2.58; the prefill step (two threads, 12 rounds) 127.6 -> 122.7, 32 adapters' 151.2 -> 148.3.
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
           int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora, const Ahead* fetch = nullptr) {
   const int64_t P = (N + NR - 1) / NR;
@@ -366,12 +370,19 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
     const int64_t m1 = std::min(M, m0 + mc);
 #pragma omp parallel num_threads(nthreads)
     {
-      Ahead ah;
-      if (fetch && m0 == 0) ah = *fetch;
       if (lora) lora->shrink(A, lda, K, m0, m1, shrink_chunk(m1 - m0, nthreads));
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < P; ++p)
-        gemm_panel(A, lda, m0, m1, K, Bp, N, p, bias, C, ldc, lora, ah.done() ? nullptr : &ah);
+      // this thread's panels: a contiguous share, so that it knows which are its last
+      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+      Ahead ah;
+      int64_t from = p1;  // the first panel whose tiles ask for fetch's lines
+      if (fetch && m1 == M) {
+        ah = *fetch;
+        const int64_t per_panel = (m1 - m0 + MR - 1) / MR * (K / 4 * 4);  // gemm_panel: K / 4 * 4 lines a tile
+        from = std::max(p0, p1 - (ah.lines() + per_panel - 1) / per_panel - 1);
+      }
+      for (int64_t p = p0; p < p1; ++p)
+        gemm_panel(A, lda, m0, m1, K, Bp, N, p, bias, C, ldc, lora, p < from || ah.done() ? nullptr : &ah);
     }
   }
 }
@@ -498,7 +509,7 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
   }
   int64_t max_rank = 0, big_rows = 0;
   for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
-  // the fused groups' A rows: packed for the shrink (pack_pairs) where the group has tokens enough to pay for it,
+  // the fused groups' A rows: packed for the shrink (pack_pair) where the group has tokens enough to pay for it,
   // else read in the pool; their B rows: b itself, or widened to float32
   std::vector<int64_t> a_at(big.groups() + 1, 0);  // group g's packed slices from a_at[g] (none: a_at[g + 1])
   for (int64_t g = 0; g < big.groups(); ++g) {
@@ -511,24 +522,32 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
   const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(pools.b);
   std::vector<int32_t> b_at(big.groups() + 1, 0);  // group g's rows in wide_b: [b_at[g], b_at[g + 1])
   for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
-  if (a_at.back() || wide_b)
+  // items of that work, shared out over the threads (one adapter's prefill chunk is one group): group g's from
+  // item_at[g], a pair of A rows of a slice each (if packed), then a B row each (if widened)
+  std::vector<int64_t> item_at(big.groups() + 1, 0);
+  for (int64_t g = 0; g < big.groups(); ++g) {
+    const int64_t rk = big.ranks[g], pairs = a_at[g + 1] > a_at[g] ? S * ((rk + 1) / 2) : 0;
+    item_at[g + 1] = item_at[g] + pairs + (wide_b ? rk : 0);
+  }
+  if (item_at.back())
     with_type(pools.dt, [&](auto tag) {
       using T = decltype(tag);
-#pragma omp parallel for num_threads(std::min<int64_t>(nthreads, big.groups())) schedule(dynamic, 1)
-      for (int64_t g = 0; g < big.groups(); ++g) {
-        const int64_t rk = big.ranks[g];
-        if (a_at[g + 1] > a_at[g])
-          for (int64_t s = 0; s < S; ++s)
-            pack_pairs(pools.a_rows<T>(s, big.rows[g]), pools.ak, rk, K,
-                       paired.get() + a_at[g] + s * paired_floats(rk, K));
-        if (wide_b)
-          for (int64_t r = 0; r < rk; ++r)
-            widen(pools.b_rows<T>(big.rows[g] + r), wide_b.get() + (b_at[g] + r) * bn, N);
+#pragma omp parallel for num_threads(std::min<int64_t>(nthreads, item_at.back())) schedule(dynamic, 1)
+      for (int64_t w = 0; w < item_at.back(); ++w) {
+        const int64_t g = std::upper_bound(item_at.begin(), item_at.end(), w) - item_at.begin() - 1;
+        const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = a_at[g + 1] > a_at[g] ? S * half : 0;
+        const int64_t i = w - item_at[g];
+        if (i < pairs)
+          pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
+                    paired.get() + a_at[g] + i / half * paired_floats(rk, K));
+        else
+          widen(pools.b_rows<T>(big.rows[g] + i - pairs), wide_b.get() + (b_at[g] + i - pairs) * bn, N);
       }
     });
   const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
-  std::vector<float> coef(big.groups() ? M * coef_ld : 0);
-  LoraEpilogue ep{coef.data(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
+  // written by the shrink wherever an epilogue reads it (a fused group's tokens, each slice, ranks below the group's)
+  const std::unique_ptr<float[]> coef(new float[big.groups() ? M * coef_ld : 0]);
+  LoraEpilogue ep{coef.get(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
   for (int64_t g = 0; g < big.groups(); ++g) {
     ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
                          a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
@@ -584,7 +603,7 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
 //
 // Pools of 16-bit floats (dt, with_type's code): the fused groups' B rows are widened to float32 scratch first (a
 // prefill chunk's output tiles read each of them many times; widening is exact, so the bits are those of float32
-// pools), their A rows too where they are packed for the shrink (pack_pairs); the rest is read as it is.
+// pools), their A rows too where they are packed for the shrink (pack_pair); the rest is read as it is.
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, const void* a, int dt, int64_t R, int64_t ak, const void* b, int64_t bn,
                     const int64_t* offs, int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows,

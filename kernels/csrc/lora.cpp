@@ -25,7 +25,7 @@ constexpr int SHRINK_ROWS = 3;
 
 // Rank rows of A as the shrink reads them, N at a time: a pair of rows' 8 columns from k side by side (AVX-512), one
 // row's 8 (AVX2), one element (tails). In the pool (RowPtrs: the pair from two rows, put side by side), or packed by
-// pack_pairs (PairedRows: one load).
+// pack_pair (PairedRows: one load).
 template <class T, int N>
 struct RowPtrs {
   const T* r[N];
@@ -67,7 +67,7 @@ struct InPool {
   }
 };
 
-// The same rows packed by pack_pairs: 2K floats a pair of rows (past the rank: its last pair)
+// The same rows packed by pack_pair: 2K floats a pair of rows (past the rank: its last pair)
 struct Paired {
   const float* a;
   int64_t K, rank;
@@ -82,24 +82,24 @@ struct Paired {
   }
 };
 
-// floats of one slice's rows packed by pack_pairs
+// floats of one slice's rows packed by pack_pair
 inline int64_t paired_floats(int64_t rank, int64_t K) { return (rank + 1) / 2 * 2 * K; }
 
-// Rank rows [rank, K] (ld elements apart) -> Paired's layout: for each pair of rows (2h, min(2h + 1, rank - 1)) their
-// first K / 8 * 8 columns 8 at a time side by side, then the first row's tail, then the second's. A prefill chunk's
-// shrink then loads a pair of rows' 8 columns whole (a pool's rows are put side by side a shuffle each).
+// Pair h of rank rows [rank, K] (ld elements apart) -> Paired's layout (2K floats from out + 2hK): rows 2h and
+// min(2h + 1, rank - 1), their first K / 8 * 8 columns 8 at a time side by side, then the first row's tail, then the
+// second's. A prefill chunk's shrink then loads a pair of rows' 8 columns whole (a pool's rows are put side by side a
+// shuffle each).
 template <class T>
-void pack_pairs(const T* a, int64_t ld, int64_t rank, int64_t K, float* out) {
+void pack_pair(const T* a, int64_t ld, int64_t rank, int64_t K, int64_t h, float* out) {
   const int64_t k8 = K / 8 * 8;
-  for (int64_t h = 0; h < (rank + 1) / 2; ++h, out += 2 * K) {
-    const T *r0 = a + 2 * h * ld, *r1 = a + std::min(2 * h + 1, rank - 1) * ld;
-    for (int64_t k = 0; k < k8; k += 8) {
-      widen(r0 + k, out + 2 * k, 8);
-      widen(r1 + k, out + 2 * k + 8, 8);
-    }
-    widen(r0 + k8, out + 2 * k8, K - k8);
-    widen(r1 + k8, out + K + k8, K - k8);
+  out += 2 * h * K;
+  const T *r0 = a + 2 * h * ld, *r1 = a + std::min(2 * h + 1, rank - 1) * ld;
+  for (int64_t k = 0; k < k8; k += 8) {
+    widen(r0 + k, out + 2 * k, 8);
+    widen(r1 + k, out + 2 * k + 8, 8);
   }
+  widen(r0 + k8, out + 2 * k8, K - k8);
+  widen(r1 + k8, out + K + k8, K - k8);
 }
 
 // x's 8 floats from p in both halves of a vector
@@ -402,6 +402,12 @@ struct Ahead {
     if (bytes > 0 && cnt < MAX_RANGES) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
   }
   bool done() const { return cur >= cnt; }
+  // cache lines left to ask for
+  int64_t lines() const {
+    int64_t l = 0;
+    for (int i = cur; i < cnt; ++i) l += (n[i] - (i == cur ? off : 0) + 63) / 64;
+    return l;
+  }
   // the next up to `lines` cache lines, within one range: (start, lines)
   std::pair<const char*, int64_t> take(int64_t lines) {
     if (done()) return {nullptr, 0};

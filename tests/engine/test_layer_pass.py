@@ -98,3 +98,24 @@ def test_layer_args_follow_rebound_caches_and_pools(tmp_path):
     assert lp._args(layer).struct.k_cache == att.k_cache.data_ptr()
     att.k_cache = None  # no cache bound (the memory profile's state): the Python path
     assert lp._args(layer) is None
+
+
+def test_each_layer_is_handed_the_next_layers_arguments(tmp_path, monkeypatch):
+    """Every layer but the last gets the next layer's C++ arguments (its last GEMM asks for that layer's q|k|v adapter
+    rows), once that layer has run once (in the first step they may not be made yet)."""
+    _, path = make_hf_model("llama", tmp_path)
+    llm = LLM(path, max_lora_rank=8, lora_memory_bytes=1 << 20, block_size=16, kv_cache_memory_bytes=2 << 20)
+    decoder = llm.engine.runner.model.model
+    seen = []
+    run = lp_mod.decoder_layer
+    monkeypatch.setattr(lp_mod, "decoder_layer", lambda *a: (seen.append((a[0], a[-1])), run(*a))[1])
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    layers, lp = list(decoder.layers), decoder.layer_pass
+    n = len(layers)
+    assert n > 1 and len(seen) == 3 * n
+    made = [lp._args(layer) for layer in layers]
+    for step in range(3):
+        for i, (args, following) in enumerate(seen[step * n:(step + 1) * n]):
+            assert args is made[i]
+            if step > 0 or following is not None or i + 1 == n:
+                assert following is (made[i + 1] if i + 1 < n else None)
