@@ -357,11 +357,11 @@ int64_t row_block_rows(int64_t M, int64_t mc) { return mc >= M || mc <= 0 ? M : 
 // element's arithmetic does not depend on mc.
 //
 // fetch (nullable): byte ranges that the next call will read (the next linear's adapter rows, see layer.cpp), which
-// every thread's tiles ask for into L2, a line a k, while their FMAs run: over the last panels of its share of the last
-// row block, as many as the lines need and one more. Asked for at the start, they had left L2 again by the end under the
-// weights streaming through it (gate|up's 7 MB). Decode steps of the bench_lora setting on one adapter, the same build
-// with and without, rounds alternating in one process, median step, ms added by the adapter: one thread 4.79 -> 4.51,
-// two 2.68 -> 2.58; the prefill step (two threads, 12 rounds) 127.6 -> 122.7, 32 adapters' 151.2 -> 148.3.
+// every thread's tiles ask for into L2, a line a k, while their FMAs run: over the last panels of its share of the
+// last row block, as many as the lines need and one more. Asked for at the start, they had left L2 again by the end
+// under the weights streaming through it (gate|up's 7 MB). Decode steps of the bench_lora setting on one adapter, the
+// same build with and without, rounds alternating in one process, median step, ms added by the adapter: one thread 4.79
+// -> 4.51, two 2.68 -> 2.58; the prefill step (two threads, 12 rounds) 127.6 -> 122.7, 32 adapters' 151.2 -> 148.3.
 void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias, float* C,
           int64_t ldc, int64_t mc, int nthreads, const LoraEpilogue* lora, const Ahead* fetch = nullptr) {
   const int64_t P = (N + NR - 1) / NR;
@@ -524,19 +524,18 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
   for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
   // items of that work, shared out over the threads (one adapter's prefill chunk is one group): group g's from
   // item_at[g], a pair of A rows of a slice each (if packed), then a B row each (if widened)
+  const auto pairs_of = [&](int64_t g) -> int64_t {  // group g's items packing A (a pair of rows of a slice each)
+    return a_at[g + 1] > a_at[g] ? S * ((big.ranks[g] + 1) / 2) : 0;
+  };
   std::vector<int64_t> item_at(big.groups() + 1, 0);
-  for (int64_t g = 0; g < big.groups(); ++g) {
-    const int64_t rk = big.ranks[g], pairs = a_at[g + 1] > a_at[g] ? S * ((rk + 1) / 2) : 0;
-    item_at[g + 1] = item_at[g] + pairs + (wide_b ? rk : 0);
-  }
+  for (int64_t g = 0; g < big.groups(); ++g) item_at[g + 1] = item_at[g] + pairs_of(g) + (wide_b ? big.ranks[g] : 0);
   if (item_at.back())
     with_type(pools.dt, [&](auto tag) {
       using T = decltype(tag);
 #pragma omp parallel for num_threads(std::min<int64_t>(nthreads, item_at.back())) schedule(dynamic, 1)
       for (int64_t w = 0; w < item_at.back(); ++w) {
         const int64_t g = std::upper_bound(item_at.begin(), item_at.end(), w) - item_at.begin() - 1;
-        const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = a_at[g + 1] > a_at[g] ? S * half : 0;
-        const int64_t i = w - item_at[g];
+        const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = pairs_of(g), i = w - item_at[g];
         if (i < pairs)
           pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
                     paired.get() + a_at[g] + i / half * paired_floats(rk, K));

@@ -102,6 +102,18 @@ void pack_pair(const T* a, int64_t ld, int64_t rank, int64_t K, int64_t h, float
   widen(r1 + k8, out + K + k8, K - k8);
 }
 
+#ifdef __AVX2__
+// The shrink kernels' x-row fetch (shrink_tile's fetch_x): at column k (a step of 8), lines k / 4 and k / 4 + 1 of the
+// pf_lines from pf into L2 (two lines a step: four times the pace a row is read at, so the next rows are asked for
+// while this one is read)
+__attribute__((always_inline)) inline void fetch_two_lines(const char* pf, int64_t pf_lines, int64_t k) {
+  if (k / 4 < pf_lines) {
+    _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
+    _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
+  }
+}
+#endif
+
 // x's 8 floats from p in both halves of a vector
 #ifdef __AVX512F__
 inline __m512 twice8(const float* p) {
@@ -122,10 +134,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   __m512 acc[TI][2];
   for (int i = 0; i < TI; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    if (k / 4 < pf_lines) {  // two lines each 8 columns
-      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
-      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
-    }
+    fetch_two_lines(pf, pf_lines, k);
     const __m512 a01 = a.pair(0, k), a23 = a.pair(1, k);
     for (int i = 0; i < TI; ++i) {
       const __m512 xv = twice8(x[i] + k);
@@ -143,10 +152,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
   for (int i = 0; i < TI; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    if (k / 4 < pf_lines) {  // two lines each 8 columns
-      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
-      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
-    }
+    fetch_two_lines(pf, pf_lines, k);
     const __m256 a0 = a.row8(0, k), a1 = a.row8(1, k), a2 = a.row8(2, k), a3 = a.row8(3, k);
     for (int i = 0; i < TI; ++i) {
       const __m256 xv = _mm256_loadu_ps(x[i] + k);
@@ -236,10 +242,7 @@ inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* ou
     for (int h = 0; h < 4; ++h) acc[i][h] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    if (k / 4 < pf_lines) {  // two lines each 8 columns
-      _mm_prefetch(pf + 16 * k, _MM_HINT_T1);
-      _mm_prefetch(pf + 16 * k + 64, _MM_HINT_T1);
-    }
+    fetch_two_lines(pf, pf_lines, k);
     __m512 av[4];
     for (int h = 0; h < 4; ++h) av[h] = a.pair(h, k);
     for (int i = 0; i < TI; ++i) {
