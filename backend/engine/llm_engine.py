@@ -98,6 +98,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_tokens = self.runner.num_blocks * config.block_size
+        if kv_tokens < self.max_model_len:  # vLLM refuses to start here; loom serves, and says what it caps
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
+                        "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
+                        "kv_cache_memory_bytes or lower max_model_len", kv_tokens, self.max_model_len)
         self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device,
                                         config.resolve_lora_dtype(self.runner.dtype))
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured

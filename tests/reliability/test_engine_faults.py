@@ -151,9 +151,15 @@ def test_fault_escaping_engine_step_fails_its_requests_and_serving_goes_on(tiny_
         ae.shutdown(5)
 
 
-def test_kv_budget_too_small_for_a_prompt_is_refused_up_front(tiny_model_dir):
-    eng = engine(tiny_model_dir, kv_cache_memory_bytes=2 * TINY_BLOCK_BYTES)  # 2 blocks = 32 tokens
+def test_kv_budget_too_small_for_a_prompt_is_refused_up_front(tiny_model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        eng = engine(tiny_model_dir, kv_cache_memory_bytes=2 * TINY_BLOCK_BYTES)  # 2 blocks = 32 tokens
     assert eng.block_manager.num_blocks == 2
+    # said once at start: what the cache holds against max_model_len, and what to change
+    said = [r.getMessage() for r in caplog.records if "KV cache holds" in r.getMessage()]
+    assert said == [f"the KV cache holds 32 tokens, fewer than max_model_len {eng.max_model_len}: a longer prompt is "
+                    "refused and a request ends (finish_reason length) when its prompt and output fill the whole "
+                    "cache; raise kv_cache_memory_bytes or lower max_model_len"]
     with pytest.raises(RequestError) as ei:
         eng.add_request("x", list(range(100, 140)), greedy())
     assert ei.value.field == "prompt" and "KV cache holds 32" in str(ei.value)
