@@ -52,11 +52,22 @@ def test_failed_steps_in_a_row_make_it_unhealthy():
 
     eng.step = always_failing
     ae, told = make(eng, max_failed_steps=3)
-    for i in range(3):
+    # Requests one after another until one is refused. Each accepted one fails with the step's error; how many get
+    # in depends on timing (a failed request's abort is echoed by the next step, which fails too), but every one
+    # costs at least one failed step, so the third submit at the latest finds the engine unhealthy.
+    errors, refused = [], None
+    for i in range(4):
         c = Collector()
-        ae.submit(f"r{i}", [0], SamplingParams(max_tokens=5), on_output=c)
+        try:
+            ae.submit(f"r{i}", [0], SamplingParams(max_tokens=5), on_output=c)
+        except RequestError as e:
+            refused = e
+            break
         wait(c)
-        assert "injected: a scheduler bug" in c.last.error
+        errors.append(c.last.error)
+    assert refused is not None and refused.field == "server" and "unhealthy" in str(refused)
+    assert 1 <= len(errors) <= 3 and "injected: a scheduler bug" in errors[0]
+    assert all("injected: a scheduler bug" in e or "unhealthy" in e for e in errors), errors
     assert wait_for(lambda: told)
     assert "3 engine steps in a row failed" in ae.health() and len(told) == 1
     ae.shutdown()
