@@ -52,11 +52,11 @@ def test_failed_steps_in_a_row_make_it_unhealthy():
 
     eng.step = always_failing
     ae, told = make(eng, max_failed_steps=3)
-    # Requests one after another until one is refused. Each accepted one fails with the step's error; how many get
-    # in depends on timing (a failed request's abort is echoed by the next step, which fails too), but every one
-    # costs at least one failed step, so the third submit at the latest finds the engine unhealthy.
+    # Requests one after another until one is refused. How many get in depends on timing: a failed request's abort is
+    # echoed by the next step, which fails too. But each costs at least one failed step, so at most 3 fail with the
+    # step's error; one sent while the third failure is being handled may get in and end as unavailable.
     errors, refused = [], None
-    for i in range(4):
+    for i in range(6):
         c = Collector()
         try:
             ae.submit(f"r{i}", [0], SamplingParams(max_tokens=5), on_output=c)
@@ -66,8 +66,9 @@ def test_failed_steps_in_a_row_make_it_unhealthy():
         wait(c)
         errors.append(c.last.error)
     assert refused is not None and refused.field == "server" and "unhealthy" in str(refused)
-    assert 1 <= len(errors) <= 3 and "injected: a scheduler bug" in errors[0]
-    assert all("injected: a scheduler bug" in e or "unhealthy" in e for e in errors), errors
+    injected = [e for e in errors if "injected: a scheduler bug" in e]
+    assert 1 <= len(injected) <= 3 and errors[:len(injected)] == injected, errors
+    assert all("unhealthy" in e for e in errors[len(injected):]) and len(errors) <= 4, errors
     assert wait_for(lambda: told)
     assert "3 engine steps in a row failed" in ae.health() and len(told) == 1
     ae.shutdown()
