@@ -57,11 +57,12 @@ def _timed(fn) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from loom.engine.cpu import set_compute_threads, tune_mkl_for_amd
+    from loom.engine.cpu import keep_freed_memory, set_compute_threads, tune_mkl_for_amd
     from loom.kernels.cpu_linear import PackedWeight
     from loom.layers.forward_context import LoraBatchMeta
 
     tune_mkl_for_amd()
+    keep_freed_memory()  # as the engine: the pass's per-call scratch is reused, not mapped and zeroed each call
     threads = set_compute_threads(args.threads)
     model = Path(args.model or hb.default_model_dir())
     config = json.loads((model / "config.json").read_text())
