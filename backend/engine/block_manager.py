@@ -70,6 +70,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return len(self._refs)
 
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds: the most one sequence (prompt and output) can ever reach."""
+        return self.num_blocks * self.block_size
+
     def _new_epoch(self, seq: Sequence) -> None:
         """seq's block table changed other than by appending (Sequence.table_epoch)."""
         seq.table_epoch = self._next_epoch

@@ -98,7 +98,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_tokens = self.runner.num_blocks * config.block_size
+        kv_tokens = self.block_manager.capacity_tokens
         if kv_tokens < self.max_model_len:  # vLLM refuses to start here; loom serves, and says what it caps
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
                         "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
@@ -185,7 +185,7 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
-        cap_tokens = self.block_manager.num_blocks * self.config.block_size
+        cap_tokens = self.block_manager.capacity_tokens
         if n + 1 > cap_tokens:
             raise RequestError("prompt", f"has {n} tokens but the whole KV cache holds {cap_tokens}; "
                                "raise kv_cache_memory_bytes")

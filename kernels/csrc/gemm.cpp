@@ -301,6 +301,9 @@ struct LoraEpilogue {
 #endif
 };
 
+// lines of an Ahead's ranges one gemm_panel tile asks for (per_k times this): one a k of its loop over K / 4 * 4
+inline int64_t tile_fetch_lines(int64_t K) { return K / 4 * 4; }
+
 // Panel p of the output over rows [m0, m1): its row tiles, each prefetching a share of the next panel and (ahead:
 // nullable) up to ahead->per_k lines per k of what it lists
 template <class Fetch = Ahead>
@@ -318,9 +321,9 @@ inline void gemm_panel(const float* A, int64_t lda, int64_t m0, int64_t m1, int6
     const float* a = A + m * lda;
     float* c = C + m * ldc + p * NR;
     const int64_t mr = std::min<int64_t>(MR, m1 - m);
-    const auto [q, qn] = ahead ? ahead->take(K / 4 * 4) : std::pair<const char*, int64_t>{nullptr, 0};
+    const auto [q, qn] = ahead ? ahead->take(tile_fetch_lines(K)) : std::pair<const char*, int64_t>{nullptr, 0};
     const auto [q2, qn2] =
-        ahead && ahead->per_k > 1 ? ahead->take(K / 4 * 4) : std::pair<const char*, int64_t>{nullptr, 0};
+        ahead && ahead->per_k > 1 ? ahead->take(tile_fetch_lines(K)) : std::pair<const char*, int64_t>{nullptr, 0};
     with_rows<MR>(mr, [&](auto r) {
       if (qn > 0)
         gemm_tile<decltype(r)::value, true>(a, lda, B, K, c, ldc, nc, bp, next + 64 * lo, n, q, qn, q2, qn2);
@@ -378,7 +381,7 @@ void gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, in
       int64_t from = p1;  // the first panel whose tiles ask for fetch's lines
       if (fetch && m1 == M) {
         ah = *fetch;
-        const int64_t per_panel = (m1 - m0 + MR - 1) / MR * (K / 4 * 4);  // gemm_panel: K / 4 * 4 lines a tile
+        const int64_t per_panel = (m1 - m0 + MR - 1) / MR * tile_fetch_lines(K);
         from = std::max(p0, p1 - (ah.lines() + per_panel - 1) / per_panel - 1);
       }
       for (int64_t p = p0; p < p1; ++p)
@@ -456,7 +459,7 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   const int64_t n_tok = pass.seg[pass.G];
   const std::unique_ptr<float[]> delta(new float[n_tok * N]);  // a row per token of the pass, written whole
   // two lines a k where one would leave rows unasked for when the panels end (q|k|v: more adapter rows than weights)
-  const int64_t k_lines = K / 4 * 4, slots = P * ((M + MR - 1) / MR) * k_lines;
+  const int64_t slots = P * ((M + MR - 1) / MR) * tile_fetch_lines(K);
   const int per_k = pass.lines() > slots ? 2 : 1;
   std::atomic<int64_t> next_panel{0}, next_item{0};
 #pragma omp parallel num_threads(nthreads)
