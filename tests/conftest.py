@@ -3,10 +3,7 @@
 LOOM_TEST_DEVICE=cuda runs the device-aware tests (tests/kernels/test_kernels.py, tests/engine/test_parity.py)
 on the GPU: compiled kernels, no interpreter, bf16 with its own tolerance (see scripts/harness/suite_device.py).
 """
-import importlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,23 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("LOOM_TEST_DEVICE", "cpu").strip().lower() in ("", "cpu"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _load_installed_kernels_package() -> None:
-    """pytest puts the repository root on sys.path (tests/ is a package), where the folder kernels/ (loom.kernels)
-    would shadow Hugging Face's `kernels` package, which transformers >= 5.25 requires and imports: load the
-    installed one first, from sys.path without the root. Nothing where it is not installed."""
-    root = Path(__file__).resolve().parent.parent
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
-    try:
-        importlib.import_module("kernels")
-    except ImportError:
-        pass
-    finally:
-        sys.path[:] = saved
-
-
-_load_installed_kernels_package()
 from loom.engine.cpu import tune_mkl_for_amd  # noqa: E402
 
 tune_mkl_for_amd()  # before torch loads MKL (the HF oracles run in this process too)
