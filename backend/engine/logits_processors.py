@@ -185,10 +185,12 @@ class ProcessorBatch:
         import xgrammar as xgr
 
         V = logits.shape[1]
-        bitmask = xgr.allocate_token_bitmask(len(self.matchers), V)
-        for i, m in enumerate(self.matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=V, indices=self.grammar_rows)
+        rows = self.grammar_rows
+        # xgrammar's `indices` name rows of the logits and of the bitmask alike: row r's mask is bitmask row r
+        bitmask = xgr.allocate_token_bitmask(max(rows) + 1, V)
+        for r, m in zip(rows, self.matchers):
+            m.fill_next_token_bitmask(bitmask, r)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=V, indices=rows)
         return logits
 
     def apply(self, x: Tensor) -> Tensor:

@@ -3,7 +3,9 @@ the grammar mask (sampler level, known logits), and n, prompt_logprobs, truncate
 allowed_token_ids through the engine (a small random HF model is the oracle)."""
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -149,6 +151,28 @@ def test_grammar_mask_is_exactly_what_the_matcher_accepts(tokenizer, grammars):
     torch.testing.assert_close(out.logprobs, torch.log_softmax(masked, -1)[out.token_ids])
 
 
+def test_grammar_rows_anywhere_in_the_batch_get_their_own_mask(tokenizer, grammars):
+    """Grammar rows after plain rows (a step's usual order): each is masked by its own matcher, exactly, and the plain
+    rows keep every token. The bitmask is indexed by logits row, not by the matcher's place among the grammar rows
+    (the second grammar row here once raised xgrammar's index check and failed the whole step)."""
+    vocab = len(tokenizer)
+    specs = [None, SO(regex=r"(yes|no)-[0-9]{2}"), None, None, SO(choice=("Positive", "Negative"))]
+    params = [SP(temperature=1.0, structured_outputs=s) for s in specs]
+    c = cons(params, tokenizer, grammars, vocab)
+    matchers = [grammars.matcher(x.grammar) if x is not None and x.grammar is not None else None for x in c]
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(4))
+    b = batch(params, constraints=c, matchers=matchers, vocab=vocab)
+    masked = b.processors.apply_grammar(logits.clone())
+    out = Sampler()(logits.clone(), b)
+    for row, m in enumerate(matchers):
+        allowed = torch.nonzero(torch.isfinite(masked[row])).flatten().tolist()
+        if m is None:
+            assert torch.equal(masked[row], logits[row])
+            continue
+        direct = [t for t in range(vocab) if m.fork().accept_token(t)]  # the direct check: xgrammar's own matcher
+        assert allowed == direct and out.token_ids[row].item() in allowed
+
+
 def test_contradicting_constraints_fall_back_to_the_grammar(tokenizer, grammars):
     """min_tokens bans eos but a completed grammar allows only eos: the row is not left without a token."""
     vocab = len(tokenizer)
@@ -178,6 +202,30 @@ def llm(tiny):
 def hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def test_structured_and_plain_requests_share_a_step(default_model_dir):
+    """Through the engine: structured requests (choice, regex, JSON schema) batched after and between plain ones all
+    finish within their grammars, and each plain one samples what it samples alone (seeded)."""
+    llm = LLM(default_model_dir, max_num_seqs=8)
+    prompt = "Tell me about the sea."
+    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+    specs = [None, SO(choice=("Positive", "Negative")), None, SO(regex=r"[0-9]{3}-[a-z]{2}"),
+             SO(json=flag, disable_any_whitespace=True)]
+    params = [SP(temperature=1.0, seed=10 + i, max_tokens=24, structured_outputs=s) for i, s in enumerate(specs)]
+    outs = llm.generate([prompt] * len(params), params)
+    for spec, p, o in zip(specs, params, outs):
+        assert o.error is None, o.error
+        if spec is None:
+            assert o.token_ids == llm.generate([prompt], p)[0].token_ids
+        elif spec.choice:
+            assert o.text in spec.choice
+        elif spec.regex:
+            assert re.fullmatch(spec.regex, o.text), o.text
+        else:
+            assert isinstance(json.loads(o.text)["ok"], bool), o.text
+    assert_no_leak(llm.engine)
 
 
 def test_n_completions_equal_single_requests_with_seed_plus_index_and_share_the_prompt(llm):
