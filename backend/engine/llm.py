@@ -63,15 +63,16 @@ class LLM:
         if len(params_list) != n or len(loras) != n:
             raise ValueError("params and lora_names must be given once or once per prompt")
         live: dict[tuple[str, int], tuple[RequestOutput, object]] = {}
-        for prompt, p, lora in zip(prompts, params_list, loras):
-            rid = f"offline-{next(self._ids)}"
-            ids = self._encode(prompt)
-            self.engine.add_request(rid, ids, p, lora)
-            for i in range(p.n):
-                detok = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
-                live[(rid, i)] = (RequestOutput(rid, ids, logprobs=[] if p.logprobs is not None else None, index=i),
-                                  detok)
         try:
+            # inside the try: a prompt refused here (RequestError) ends the ones added before it, not left running
+            for prompt, p, lora in zip(prompts, params_list, loras):
+                rid = f"offline-{next(self._ids)}"
+                ids = self._encode(prompt)
+                self.engine.add_request(rid, ids, p, lora)
+                for i in range(p.n):
+                    detok = IncrementalDetokenizer(self.tokenizer, ids, p) if self.tokenizer is not None else None
+                    live[(rid, i)] = (RequestOutput(rid, ids, logprobs=[] if p.logprobs is not None else None,
+                                                    index=i), detok)
             while live:
                 for so in self.engine.step():
                     key = (so.request_id, so.index)
@@ -98,7 +99,7 @@ class LLM:
                         del live[key]
                     yield out
         finally:
-            for rid, i in live:  # the caller stopped iterating early
+            for rid, i in live:  # the caller stopped iterating early, or a prompt was refused
                 self.engine.abort_request(rid, index=i)
             if live:
                 self.engine.step()

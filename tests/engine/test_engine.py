@@ -107,6 +107,20 @@ def test_bad_requests_refused_with_field(llm):
     assert_no_leak(eng)
 
 
+def test_a_refused_prompt_leaves_nothing_of_its_call_behind(llm):
+    """LLM.generate with a bad prompt after good ones raises the RequestError naming the field, and the prompts it
+    had added before (one of them with n=2) are ended, not left to run into the next call."""
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    two = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, n=2)
+    with pytest.raises(RequestError) as e:
+        llm.generate([[5, 6, 7], [8, 9], [99999]], [two, p, p])
+    assert e.value.field == "prompt"
+    assert_no_leak(llm.engine)
+    outs = llm.generate([[5, 6, 7]], p)
+    assert len(outs) == 1 and len(outs[0].token_ids) == 4
+    assert_no_leak(llm.engine)
+
+
 def test_prompt_larger_than_whole_cache_refused_up_front(tiny):
     c = tiny[0].config
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
