@@ -527,9 +527,12 @@ class LLMEngine:
                 lps = {p: (v, list(zip(a, b))) for p, v, a, b in zip(pos, vals, ids_, lps_)}
             else:
                 lps = {p: (v, []) for p, v in zip(pos, vals)}
-        refused = set(launched.processors.accept(tok_list)) if launched.processors is not None else set()
+        refused, complete = launched.processors.accept(tok_list) if launched.processors is not None else ([], [])
+        refused = set(refused)
+        for i in complete:  # the grammar took its stop token: the output is whole, even under ignore_eos / min_tokens
+            reasons[i] = "stop"
         first = set(first)
-        special = set(done) | first | set(lps) | refused  # rows that need more than a plain output
+        special = set(done) | first | set(lps) | refused | set(complete)  # rows that need more than a plain output
         self.generation_tokens += S
         ending: list[tuple[Sequence, str]] = []
         positions = launched.positions if self.async_scheduling else None

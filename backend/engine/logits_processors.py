@@ -207,8 +207,15 @@ class ProcessorBatch:
             x.index_put_((self.bias_rows, self.bias_cols), self.bias_values, accumulate=True)
         return x
 
-    def accept(self, tokens: Sequence[int]) -> list[int]:
-        """Advance every grammar row's matcher by its sampled token; returns the rows whose token was refused."""
+    def accept(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Advance every grammar row's matcher by its sampled token: (rows whose token was refused, rows whose grammar
+        is now complete, its stop token accepted, so that no further token may follow)."""
         if self.matchers is None:
-            return []
-        return [r for r, m in zip(self.grammar_rows, self.matchers) if not m.accept_token(int(tokens[r]))]
+            return [], []
+        refused, complete = [], []
+        for r, m in zip(self.grammar_rows, self.matchers):
+            if not m.accept_token(int(tokens[r])):
+                refused.append(r)
+            elif m.is_terminated():
+                complete.append(r)
+        return refused, complete

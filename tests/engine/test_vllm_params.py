@@ -228,6 +228,26 @@ def test_structured_and_plain_requests_share_a_step(default_model_dir):
     assert_no_leak(llm.engine)
 
 
+def test_a_complete_grammar_ends_its_request_whatever_ignore_eos_and_min_tokens_ask(default_model_dir):
+    """Once a request's grammar has taken its stop token no token may follow: the request ends there ("stop"), also
+    with ignore_eos or a min_tokens beyond the structure's length. Before, the next step asked the finished matcher
+    for a mask, xgrammar raised, and the step failed with every request in it (the plain one here too)."""
+    llm = LLM(default_model_dir, max_num_seqs=8)
+    prompt = "Is the sea big?"
+    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+    specs = [SO(choice=("yes", "no")), SO(json=flag, disable_any_whitespace=True)]
+    plain = SP(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    for extra in (dict(ignore_eos=True), dict(min_tokens=20)):
+        params = [plain] + [SP(temperature=1.0, seed=5, max_tokens=30, structured_outputs=s, **extra) for s in specs]
+        outs = llm.generate([prompt] * len(params), params)
+        assert [(o.error, o.finish_reason) for o in outs] == [(None, "length"), (None, "stop"), (None, "stop")]
+        assert outs[0].token_ids == llm.generate([prompt], plain)[0].token_ids
+        assert outs[1].text in ("yes", "no")
+        assert isinstance(json.loads(outs[2].text)["ok"], bool), outs[2].text
+    assert_no_leak(llm.engine)
+
+
 def test_n_completions_equal_single_requests_with_seed_plus_index_and_share_the_prompt(llm):
     prompt = random_prompts([40], 320, seed=5)[0]  # 2 full blocks + a partial one
     p = SP(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
