@@ -570,8 +570,8 @@ class LLMEngine:
                 if seq.index == 0 and seq.prompt_logprobs is not None:
                     plp = seq.prompt_logprobs
             reason = reasons.get(i)
-            if i in refused:  # cannot happen while the mask is applied; never let a broken grammar run on
-                reason, error = "error", f"structured_outputs: the grammar refused token {tok}"
+            if i in refused:  # a refused token (cannot happen under the mask) or a failed matcher: never run on
+                reason, error = "error", f"structured_outputs: the grammar cannot go on at token {tok}"
             if reason is not None:
                 ending.append((seq, reason))
             results[i] = StepOutput(seq.request_id, [tok], lp, reason is not None, reason, seq.num_prompt_tokens,

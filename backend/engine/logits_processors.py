@@ -127,6 +127,8 @@ class ProcessorBatch:
     bias_rows: Tensor | None
     bias_cols: Tensor | None
     bias_values: Tensor | None
+    # grammar rows whose matcher raised while filling its mask: that request ends with an error, not the whole step
+    broken: set[int] = field(default_factory=set)
 
     @classmethod
     def build(cls, constraints: Sequence[RequestConstraints | None], matchers: Sequence[Any] | None,
@@ -189,7 +191,10 @@ class ProcessorBatch:
         # xgrammar's `indices` name rows of the logits and of the bitmask alike: row r's mask is bitmask row r
         bitmask = xgr.allocate_token_bitmask(max(rows) + 1, V)
         for r, m in zip(rows, self.matchers):
-            m.fill_next_token_bitmask(bitmask, r)
+            try:
+                m.fill_next_token_bitmask(bitmask, r)
+            except Exception:  # xgrammar refuses the matcher's state: accept() reports the row, the others go on
+                self.broken.add(r)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=V, indices=rows)
         return logits
 
@@ -208,13 +213,17 @@ class ProcessorBatch:
         return x
 
     def accept(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Advance every grammar row's matcher by its sampled token: (rows whose token was refused, rows whose grammar
-        is now complete, its stop token accepted, so that no further token may follow)."""
+        """Advance every grammar row's matcher by its sampled token: (rows whose token was refused or whose matcher
+        failed, rows whose grammar is now complete, its stop token accepted, so that no further token may follow)."""
         if self.matchers is None:
             return [], []
         refused, complete = [], []
         for r, m in zip(self.grammar_rows, self.matchers):
-            if not m.accept_token(int(tokens[r])):
+            try:
+                ok = r not in self.broken and m.accept_token(int(tokens[r]))
+            except Exception:  # as in apply_grammar: this request ends, the step goes on
+                ok = False
+            if not ok:
                 refused.append(r)
             elif m.is_terminated():
                 complete.append(r)

@@ -248,6 +248,43 @@ def test_a_complete_grammar_ends_its_request_whatever_ignore_eos_and_min_tokens_
     assert_no_leak(llm.engine)
 
 
+class _FailingMatcher:
+    """A matcher xgrammar refuses to fill a mask for (what a finished matcher did): raises as xgrammar raises."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def fill_next_token_bitmask(self, *args):
+        raise RuntimeError("grammar_matcher.cc: Check failed")
+
+    def __getattr__(self, name):
+        return getattr(self.matcher, name)
+
+
+def test_a_failing_grammar_matcher_ends_its_own_request_only(default_model_dir):
+    """xgrammar raising for one request's matcher ends that request with an error naming structured_outputs; the
+    plain request and the other structured one of the same steps go on as alone."""
+    llm = LLM(default_model_dir, max_num_seqs=8)
+    eng, tok = llm.engine, llm.tokenizer
+    ids = tok.encode("Is the sea big?", add_special_tokens=False)
+    plain = SP(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    choice = SP(max_tokens=6, structured_outputs=SO(choice=("yes", "no")))
+    for rid, p in (("plain", plain), ("bad", choice), ("good", choice)):
+        eng.add_request(rid, ids, p)
+    eng.requests["bad"].matcher = _FailingMatcher(eng.requests["bad"].matcher)
+    outs: dict[str, list] = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    last = {rid: o[-1] for rid, o in outs.items()}
+    assert last["bad"].finish_reason == "error" and last["bad"].error.startswith("structured_outputs:")
+    assert last["good"].finish_reason == "stop" and last["plain"].finish_reason == "length"
+    tokens = {rid: [t for o in o_list for t in o.new_token_ids] for rid, o_list in outs.items()}
+    assert tok.decode(tokens["good"], skip_special_tokens=True) in ("yes", "no")
+    assert tokens["plain"] == llm.generate([ids], plain)[0].token_ids
+    assert_no_leak(eng)
+
+
 def test_n_completions_equal_single_requests_with_seed_plus_index_and_share_the_prompt(llm):
     prompt = random_prompts([40], 320, seed=5)[0]  # 2 full blocks + a partial one
     p = SP(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
