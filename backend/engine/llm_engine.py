@@ -528,10 +528,9 @@ class LLMEngine:
             else:
                 lps = {p: (v, []) for p, v in zip(pos, vals)}
         refused, complete = launched.processors.accept(tok_list) if launched.processors is not None else ([], [])
-        refused = set(refused)
-        for i in complete:  # the grammar took its stop token: the output is whole, even under ignore_eos / min_tokens
-            reasons[i] = "stop"
-        first = set(first)
+        # the grammar took its stop token: the output is whole, even under ignore_eos / min_tokens
+        reasons.update(dict.fromkeys(complete, "stop"))
+        refused, first = set(refused), set(first)
         special = set(done) | first | set(lps) | refused | set(complete)  # rows that need more than a plain output
         self.generation_tokens += S
         ending: list[tuple[Sequence, str]] = []

@@ -204,15 +204,24 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def test_structured_and_plain_requests_share_a_step(default_model_dir):
+# a JSON schema whose whole output is a few tokens: {"ok":true} or {"ok":false}
+FLAG_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def default_llm(default_model_dir):
+    """The default model (a real tokenizer, which structured outputs need), shared by this module's grammar tests."""
+    return LLM(default_model_dir, max_num_seqs=8)
+
+
+def test_structured_and_plain_requests_share_a_step(default_llm):
     """Through the engine: structured requests (choice, regex, JSON schema) batched after and between plain ones all
     finish within their grammars, and each plain one samples what it samples alone (seeded)."""
-    llm = LLM(default_model_dir, max_num_seqs=8)
+    llm = default_llm
     prompt = "Tell me about the sea."
-    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-            "additionalProperties": False}
     specs = [None, SO(choice=("Positive", "Negative")), None, SO(regex=r"[0-9]{3}-[a-z]{2}"),
-             SO(json=flag, disable_any_whitespace=True)]
+             SO(json=FLAG_SCHEMA, disable_any_whitespace=True)]
     params = [SP(temperature=1.0, seed=10 + i, max_tokens=24, structured_outputs=s) for i, s in enumerate(specs)]
     outs = llm.generate([prompt] * len(params), params)
     for spec, p, o in zip(specs, params, outs):
@@ -228,15 +237,13 @@ def test_structured_and_plain_requests_share_a_step(default_model_dir):
     assert_no_leak(llm.engine)
 
 
-def test_a_complete_grammar_ends_its_request_whatever_ignore_eos_and_min_tokens_ask(default_model_dir):
+def test_a_complete_grammar_ends_its_request_whatever_ignore_eos_and_min_tokens_ask(default_llm):
     """Once a request's grammar has taken its stop token no token may follow: the request ends there ("stop"), also
     with ignore_eos or a min_tokens beyond the structure's length. Before, the next step asked the finished matcher
     for a mask, xgrammar raised, and the step failed with every request in it (the plain one here too)."""
-    llm = LLM(default_model_dir, max_num_seqs=8)
+    llm = default_llm
     prompt = "Is the sea big?"
-    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-            "additionalProperties": False}
-    specs = [SO(choice=("yes", "no")), SO(json=flag, disable_any_whitespace=True)]
+    specs = [SO(choice=("yes", "no")), SO(json=FLAG_SCHEMA, disable_any_whitespace=True)]
     plain = SP(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
     for extra in (dict(ignore_eos=True), dict(min_tokens=20)):
         params = [plain] + [SP(temperature=1.0, seed=5, max_tokens=30, structured_outputs=s, **extra) for s in specs]
@@ -261,10 +268,10 @@ class _FailingMatcher:
         return getattr(self.matcher, name)
 
 
-def test_a_failing_grammar_matcher_ends_its_own_request_only(default_model_dir):
+def test_a_failing_grammar_matcher_ends_its_own_request_only(default_llm):
     """xgrammar raising for one request's matcher ends that request with an error naming structured_outputs; the
     plain request and the other structured one of the same steps go on as alone."""
-    llm = LLM(default_model_dir, max_num_seqs=8)
+    llm = default_llm
     eng, tok = llm.engine, llm.tokenizer
     ids = tok.encode("Is the sea big?", add_special_tokens=False)
     plain = SP(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
