@@ -136,32 +136,50 @@ def _compile(cxx: str, flags: list[str], target: Path) -> None:
             os.replace(out, target)
 
 
-@functools.lru_cache(maxsize=None)
-def build(isa: tuple[str, ...]):
-    """The library built with these instruction-set flags (cached on disk by source, flags and compiler), or None
-    after one warning when it cannot be built or loaded: no compiler, a failed compile, an unwritable cache."""
+class NoCompiler(OSError):
+    """No C++ compiler on PATH (CXX)."""
+
+
+def library_path(isa: tuple[str, ...]) -> Path:
+    """The library built with these instruction-set flags, compiled if it is not cached yet (on disk, keyed by
+    source, flags and compiler). Compiling needs no CPU support for the flags, so every variant can be built (and
+    its build tested) on any x86 host; only loading and running it needs them. Raises OSError /
+    SubprocessError when there is no compiler or the compile fails."""
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
-        log.warning("loom CPU kernels unavailable (no C++ compiler %r; set CXX); using the PyTorch references", cxx)
-        return None
+        raise NoCompiler(f"no C++ compiler {cxx!r}; set CXX")
     # no FMA contraction of plain C++ expressions: the pointwise kernels round like the PyTorch references
     flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17", *isa]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([source(), version, *flags]).encode()).hexdigest()[:20]
+    target = cache_dir() / f"loom_cpu_kernels_{key}.so"
+    if not target.exists():
+        _compile(cxx, flags, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def build(isa: tuple[str, ...]):
+    """The library built with these instruction-set flags and loaded, or None after one warning when it cannot be
+    built or loaded: no compiler, a failed compile, an unwritable cache."""
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256("\0".join([source(), version, *flags]).encode()).hexdigest()[:20]
-        target = cache_dir() / f"loom_cpu_kernels_{key}.so"
-        if not target.exists():
-            _compile(cxx, flags, target)
-        lib = ctypes.CDLL(str(target))
+        lib = ctypes.CDLL(str(library_path(isa)))
     except (OSError, subprocess.SubprocessError) as e:  # a failed build: the references still work
         detail = (getattr(e, "stderr", "") or "").strip()
-        log.warning("loom CPU kernels unavailable (%s: %s%s); using the PyTorch references", type(e).__name__, e,
+        reason = str(e) if isinstance(e, NoCompiler) else f"{type(e).__name__}: {e}"
+        log.warning("loom CPU kernels unavailable (%s%s); using the PyTorch references", reason,
                     f"\n{detail[-2000:]}" if detail else "")
         return None
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, _RESTYPES.get(name)
     return lib
+
+
+def missing_flags(isa_name_: str) -> list[str]:
+    """The CPU flags this host lacks to run the ISAS entry of that name (empty: it runs it)."""
+    need = next(need for name, need, _ in ISAS if name == isa_name_)
+    return sorted(set(need) - cpu_flags())
 
 
 _lock = threading.Lock()

@@ -6,4 +6,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 # ruff comes with the test extras (pyproject.toml); a lint error fails the run before any test starts.
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q "$@"
+# -rs: every skip with its reason in the summary (a kernel build this CPU cannot run says which flags it lacks)
+exec .venv/bin/python -m pytest -q -rs "$@"

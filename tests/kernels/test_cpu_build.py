@@ -91,6 +91,16 @@ def test_concurrent_first_builds_compile_once(fresh_build):
     assert sorted(p.name for p in target.parent.iterdir()) == [".lib.so.lock", "lib.so"]  # no temporary left
 
 
+@pytest.mark.parametrize("isa", [name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
+def test_every_variant_compiles_on_any_host(isa):
+    """Every build (AVX-512, AVX2, plain loops) compiles here whatever this CPU runs: a machine with other
+    instructions is never the first place a variant is compiled. The library exports every function the loader
+    binds (read from the file: a variant this CPU cannot run is not loaded)."""
+    flags = next((f for name, _, f in cpu_ext.ISAS if name == isa), ())
+    lib = cpu_ext.library_path(flags).read_bytes()
+    assert [name for name in cpu_ext._SIGNATURES if name.encode() + b"\0" not in lib] == []
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_instruction_set_gives_the_same_gemm_bits(threads, monkeypatch):
     """The GEMM's register tile is 4 x 24 with AVX2 and 8 x 48 with AVX-512 (its panels packed to match), but every

@@ -11,11 +11,15 @@ from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 
-@pytest.fixture(scope="module", autouse=True, params=[name for name, _ in cpu_ext.supported_isas()] + ["no-avx2"])
+@pytest.fixture(scope="module", autouse=True, params=[name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
 def ext(request):
-    """Every test once per build this CPU runs (AVX-512 and AVX2/FMA intrinsics, as it has them) and with the
-    plain-loop build a CPU without AVX2 gets (cached on disk like the others)."""
-    flags = dict(cpu_ext.supported_isas()).get(request.param, ())
+    """Every test once per build (AVX-512 and AVX2/FMA intrinsics, and the plain loops a CPU without AVX2 gets),
+    each cached on disk like the engine's. A build this CPU cannot execute is skipped, saying which flags it lacks
+    (test_cpu_build compiles it all the same)."""
+    missing = cpu_ext.missing_flags(request.param) if request.param != "no-avx2" else []
+    if missing:
+        pytest.skip(f"the {request.param} kernels need CPU flags this machine lacks: {', '.join(missing)}")
+    flags = next((f for name, _, f in cpu_ext.ISAS if name == request.param), ())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_ext, "native_isa", lambda: flags)
         m = cpu_ext.load()
