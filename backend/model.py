@@ -27,7 +27,7 @@ from loom.serving.async_engine import AsyncEngine, RequestDelta
 from loom.serving.request_parser import AdapterOp, parse_adapter_op, parse_request
 from loom.serving.response_streamer import ResponseStreamer
 from loom.serving.responses import ResponseBuilder, ResponseState
-from loom.serving.serve_config import parse_model_parameters
+from loom.serving.serve_config import model_json_warning, parse_model_parameters
 from loom.serving.timing_log import TimingLog
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -112,6 +112,9 @@ class TritonPythonModel:
         # Bad values raise ConfigError naming the parameter: Triton then refuses to load the model.
         instances = sum(int(g.get("count", 1)) for g in self.model_config.get("instance_group", [])) or 1
         cfg = parse_model_parameters(self.model_config.get("parameters", {}), args["model_repository"], instances)
+        ignored = model_json_warning(args["model_repository"], args["model_version"])  # vllm_backend's engine args
+        if ignored:
+            log.warning(ignored)
         if args.get("model_instance_kind") == "GPU" and cfg.engine.device == "auto":
             cfg.engine.device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
         if not cfg.engine.model:

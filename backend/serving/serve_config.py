@@ -8,6 +8,7 @@ config.pbtxt keeps its meaning (given with the loom key too, the values must agr
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -55,6 +56,65 @@ class ServeConfig:
 VLLM_BACKEND_KEYS = {"REPORT_CUSTOM_METRICS": "vllm_metrics", "ENABLE_VLLM_HEALTH_CHECK": "health_check"}
 _ENGINE_TYPES = {f.name: f.type for f in fields(EngineConfig)}
 _OPTION_TYPES = {f.name: f.type for f in fields(ServeOptions)}
+
+
+# vllm_backend keeps engine arguments in <model>/<version>/model.json; loom reads config.pbtxt parameters only.
+# model.json key -> (the parameter to set instead, or None where loom has none; how it differs). Every parameter
+# named here is one parse_model_parameters accepts (tests/serving/test_serve_config.py checks it).
+MODEL_JSON_KEYS: dict[str, tuple[str | None, str]] = {
+    "model": ("model", ""),
+    "dtype": ("dtype", "auto, float32, float16 or bfloat16"),
+    "block_size": ("block_size", ""),
+    "gpu_memory_utilization": ("gpu_memory_utilization", ""),
+    "kv_cache_memory_bytes": ("kv_cache_memory_bytes", ""),
+    "max_num_seqs": ("max_num_seqs", ""),
+    "max_num_batched_tokens": ("max_num_batched_tokens", ""),
+    "max_model_len": ("max_model_len", ""),
+    "enable_prefix_caching": ("enable_prefix_caching", ""),
+    "seed": ("seed", ""),
+    "async_scheduling": ("async_scheduling", ""),
+    "max_logprobs": ("max_logprobs", ""),
+    "enforce_eager": ("cuda_graphs", "enforce_eager true is cuda_graphs false"),
+    "disable_log_stats": ("vllm_metrics", "the vllm:* metrics are on when it (or REPORT_CUSTOM_METRICS) is true"),
+    "enable_lora": ("adapter_roots", "LoRA serves the adapters under these folders; Triton's OpenAI frontend reads "
+                                     "enable_lora from model.json, keep it there for the frontend"),
+    "max_loras": ("lora_memory_bytes", "adapters on the device are bounded by bytes, not by count"),
+    "max_lora_rank": ("max_lora_rank", ""),
+    "max_cpu_loras": ("max_host_adapters", ""),
+    "lora_dtype": ("lora_dtype", ""),
+    "tensor_parallel_size": (None, "a model instance runs on one device; more instances: instance_group"),
+    "pipeline_parallel_size": (None, "a model instance runs on one device; more instances: instance_group"),
+    "quantization": (None, "loom serves unquantized checkpoints"),
+    "kv_cache_dtype": (None, "the KV cache has the model's dtype"),
+    "tokenizer": (None, "the tokenizer is the model folder's"),
+    "trust_remote_code": (None, "loom runs no code from a checkpoint"),
+}
+# What `python -m loom.serving.multi_lora` writes to model.json for Triton's OpenAI frontend: no warning for that.
+_FRONTEND_MODEL_JSON_KEYS = frozenset({"enable_lora"})
+
+
+def model_json_warning(model_dir: str, version: str | int) -> str | None:
+    """The one warning for `<model_dir>/<version>/model.json`, which loom ignores: for each key, the config.pbtxt
+    parameter to set instead. None when there is no such file or it holds only what the OpenAI frontend reads."""
+    path = os.path.join(model_dir, str(version), "model.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            args = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path} is ignored (loom reads config.pbtxt parameters only); it is not readable JSON either: {e}"
+    if not isinstance(args, dict):
+        return f"{path} is ignored (loom reads config.pbtxt parameters only); it is not a JSON object either"
+    if set(args) <= _FRONTEND_MODEL_JSON_KEYS:
+        return None
+    hints = []
+    for key, value in args.items():
+        param, note = MODEL_JSON_KEYS.get(key, (None, ""))
+        hint = f"{key}={json.dumps(value)}: " + (f"set parameter {param!r}" if param else "loom has no such parameter")
+        hints.append(hint + (f" ({note})" if note else ""))
+    return (f"{path} holds vllm_backend engine arguments, which loom ignores; set config.pbtxt parameters instead "
+            "(docs/CONFIGURATION.md): " + "; ".join(hints))
 
 
 def _convert(key: str, typ: str, raw: str, base_dir: str):
