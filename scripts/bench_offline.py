@@ -18,7 +18,7 @@ tokens each (EOS ignored), the default model, float32. The same prompt token ids
 Prints tokens/s and mean/p50/p99 request latency as ratios to vLLM (to loom without vLLM), how many requests
 have greedy tokens identical to vLLM's (and to HF static's: left padding can legitimately change a few tokens),
 start-up times (model load + compile), the CPU seconds other processes used during each timed part (should be
-~0 on a quiet machine), the issue's targets (loom >= 1.2x vLLM's tokens/s with lower mean latency, at each
+~0 on a quiet machine), the targets (loom >= 1.2x vLLM's tokens/s with lower mean latency, at each
 thread count), and the share of allocated KV memory holding real tokens. Saves JSON and a PNG under results/.
 
     python scripts/bench_offline.py --num-prompts 32 --threads 1 2 --vllm-python /path/to/vllm-venv/bin/python \

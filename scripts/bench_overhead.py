@@ -29,7 +29,7 @@ what remains is host work. Other parts, each in the same run:
     python scripts/bench_overhead.py                              # vocab 49152, 64 256 1024 sequences
     python scripts/bench_overhead.py --vocab 256 --threads 1      # host work only
     python scripts/bench_overhead.py --vocab 256 --threads 1 --sampler --serving --device-ms 20
-    python scripts/bench_overhead.py --vocab 256 --baseline /work/main
+    python scripts/bench_overhead.py --vocab 256 --baseline ../loom-before
 """
 from __future__ import annotations
 

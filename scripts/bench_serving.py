@@ -4,7 +4,7 @@ process (so the Triton layer's cost is a ratio), multi-LoRA, and NVIDIA's aiperf
 
 Requests speak vllm_backend's tensors: `text_input`, `stream`=true, `sampling_parameters` (JSON: max_tokens,
 ignore_eos, temperature 0, lora_name), `exclude_input_in_output`=true, `return_num_output_tokens`=true.
-Prompts are slices of ordinary English text (bench_common.PROMPTS) of a drawn token length; each request
+Prompts are slices of ordinary English text (harness.bench.PROMPTS) of a drawn token length; each request
 generates exactly its drawn number of tokens (EOS ignored).
 
 Modes (`--mode`, default `sweep`; `all` runs sweep, rate and lora):
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="sweep", choices=("sweep", "rate", "lora", "aiperf", "waterfall", "all"))
     ap.add_argument("--waterfall-concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
-                    help="waterfall mode: concurrency levels (the issue: TTFT at 1, 4, 16; tokens/s at 16, 64)")
+                    help="waterfall mode: concurrency levels (TTFT at 1, 4, 16; tokens/s at 16, 64)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="sweep levels")
     ap.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0], help="rate mode: requests/s")
     ap.add_argument("--max-concurrency", type=int, default=0, help="rate mode: cap on requests in flight (0 = none)")

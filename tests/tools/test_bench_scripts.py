@@ -41,7 +41,7 @@ def has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-# ---- bench_common --------------------------------------------------------------------------------
+# ---- harness.bench --------------------------------------------------------------------------------
 
 def test_prompts_are_ordinary_and_varied():
     assert len(bc.PROMPTS) >= 60 and len(set(bc.PROMPTS)) == len(bc.PROMPTS)
