@@ -11,6 +11,7 @@ the reference's error is taken to be (a reference that rounds exactly by luck mu
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -43,3 +44,21 @@ def pooled_scales(ref32s: Sequence, ref64s: Sequence, keys: Sequence) -> dict:
     for r32, r64, key in zip(ref32s, ref64s, keys):
         scales[key] = max(scales.get(key, 0.0), float32_error_scale(r32, r64))
     return scales
+
+
+def float64_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of a transformers (+ PEFT) model; MoE experts run eagerly (grouped_mm has no float64)."""
+    twin = copy.deepcopy(model).double()
+    base = twin.get_base_model() if hasattr(twin, "get_base_model") else twin
+    if getattr(base.config, "_experts_implementation", None) not in (None, "eager"):
+        base.set_experts_implementation("eager")
+    return twin
+
+
+@torch.no_grad()
+def log_softmax_32_64(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax of the logits at every position of ids: the model in float32, and its float64 twin."""
+    x = torch.tensor([ids])
+    lsm32 = torch.log_softmax(model(input_ids=x).logits[0].float(), -1)
+    lsm64 = torch.log_softmax(float64_twin(model)(input_ids=x).logits[0].double(), -1)
+    return lsm32, lsm64

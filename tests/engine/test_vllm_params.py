@@ -17,6 +17,7 @@ from loom.engine.sampler import Sampler, SamplingBatch
 from loom.engine.sampling_params import SamplingParams as SP
 from loom.engine.structured_output import StructuredOutputsParams as SO
 from loom.errors import RequestError
+from tests.oracle import assert_float32_close, float32_error_scale, log_softmax_32_64
 
 V = 64
 
@@ -338,13 +339,14 @@ def test_prompt_logprobs_match_the_model(llm, tiny):
     model, _ = tiny
     prompt = random_prompts([37], 320, seed=7)[0]
     out = llm.generate([prompt], SP(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
-    lp = torch.log_softmax(hf_logits(model, prompt), -1)
+    lp, lp64 = log_softmax_32_64(model, prompt)
+    scale = float32_error_scale(lp, lp64)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for j in range(1, len(prompt)):
         e = out.prompt_logprobs[j]
         want = lp[j - 1]
         assert e.token_id == prompt[j]
-        assert e.logprob == pytest.approx(want[prompt[j]].item(), abs=1e-4)
+        assert_float32_close(e.logprob, lp64[j - 1, prompt[j]], scale, f"prompt token {j}")
         assert e.rank == int((want >= want[prompt[j]]).sum())  # vLLM's rank
         assert [t for t, _ in e.top] == want.topk(3).indices.tolist()
     # the prefix cache is skipped for prompt logprobs; a second identical request gets all of them again
@@ -358,10 +360,10 @@ def test_prompt_logprobs_with_chunked_prefill(tiny):
     llm = LLM(path, block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=16)
     prompt = random_prompts([50], 320, seed=8)[0]
     out = llm.generate([prompt], SP(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
-    lp = torch.log_softmax(hf_logits(model, prompt), -1)
+    lp, lp64 = log_softmax_32_64(model, prompt)
     got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
-    want = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    rows, toks = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    assert_float32_close(got, lp64[rows, toks], float32_error_scale(lp, lp64), "prompt")
 
 
 def test_logit_bias_and_allowed_token_ids_through_the_engine(llm, tiny):

@@ -1,13 +1,11 @@
 """The parity check the family tests share: loom's greedy tokens and logprobs against transformers (+ PEFT)."""
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from harness.hf_models import assert_no_leak, hf_greedy, hf_greedy_logprobs
 from loom.engine.sampling_params import SamplingParams
-from tests.oracle import assert_float32_close, pooled_scales
+from tests.oracle import assert_float32_close, float64_twin, pooled_scales
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -15,15 +13,6 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def block_bytes(cfg, block_size=16) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * 4
-
-
-def float64_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of a transformers (+ PEFT) model; MoE experts run eagerly (grouped_mm has no float64)."""
-    twin = copy.deepcopy(model).double()
-    base = twin.get_base_model() if hasattr(twin, "get_base_model") else twin
-    if getattr(base.config, "_experts_implementation", None) not in (None, "eager"):
-        base.set_experts_implementation("eager")
-    return twin
 
 
 @torch.no_grad()
