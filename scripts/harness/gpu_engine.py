@@ -1,11 +1,13 @@
 """gpu_check sections `engine` (the engine vs transformers) and `lora` (multi-LoRA vs PEFT) on the device.
 
 engine: small random models covering GQA groups 1/4/8, head_dim 64/128, Qwen2 q/k/v bias and tied embeddings
-(--cpu-smoke: smaller heads). Per model, in float32 the greedy tokens must equal transformers' generate in
-three schedules: mixed prefill/decode steps with duplicate prompts and prefix-cache hits, chunked prefill under a
-tiny token budget, preemption under a tiny KV budget (each schedule asserts it really happened, and that decode
-steps replayed CUDA graphs; --cpu-smoke runs the graph path without capture), and the mixed one again with
-cuda_graphs off (every step eager). In bfloat16 the
+(--cpu-smoke: one model, smaller heads). Three engines per model, the fewest that cover the cases (engines()), each
+with small limits (ENGINE_LIMITS) so its start-up warm-up compiles and captures no more than the checks can reach.
+fp32 with CUDA graphs and a 12-block KV cache: the mixed plan (mixed prefill/decode steps, a duplicate prompt in
+one step, prefix-cache hits), then the preemption plan; fp32 eager under a 16-token budget: the chunked plan and
+the mixed plan chunked. Greedy tokens must equal transformers' generate, and each plan asserts what it is for
+happened (mixed steps, prefix hits, chunks, preemptions, graph replays on the graphs engines and none on the
+eager one; --cpu-smoke runs the graph path without capture). In bfloat16 the
 engine's tokens are teacher-forced through transformers in float32 on the same bf16-rounded weights: the
 engine's logprob of each token within BF16_LOGPROB_TOL of the oracle's (mean within BF16_LOGPROB_MEAN_TOL), and
 its token the oracle's top-1 except where the oracle's top two are closer than BF16_TIE_MARGIN.
@@ -48,20 +50,30 @@ def model_configs(smoke: bool) -> list[tuple[str, str, bool, float, dict]]:
 # ---- driving the engine ----------------------------------------------------------------------------------
 
 
-def spy_steps(engine) -> dict:
-    """Count steps that mix decodes with prefills, and steps that prefill only part of a prompt (chunks)."""
-    stats = {"steps": 0, "mixed": 0, "chunked": 0}
+def on_batch(engine, fn):
+    """Call fn(batch) with every batch the engine's model runner runs; returns a function that undoes it."""
     orig = engine.runner.run
 
     def run(batch, lora):
+        fn(batch)
+        return orig(batch, lora)
+
+    engine.runner.run = run
+    return lambda: setattr(engine.runner, "run", orig)
+
+
+def spy_steps(engine) -> dict:
+    """Count steps that mix decodes with prefills, and steps that prefill only part of a prompt (chunks)."""
+    stats = {"steps": 0, "mixed": 0, "chunked": 0}
+
+    def see(batch):
         d, seqs = batch.num_decode_seqs, batch.seqs
         stats["steps"] += 1
         stats["mixed"] += 0 < d < len(seqs)
         stats["chunked"] += any(n < q.num_tokens - q.num_computed_tokens
                                 for q, n in zip(seqs[d:], batch.num_scheduled_tokens[d:]))
-        return orig(batch, lora)
 
-    engine.runner.run = run
+    on_batch(engine, see)
     return stats
 
 
@@ -95,6 +107,17 @@ def _engine(path, dev, dtype, **kw):
     return eng
 
 
+def warmup_metrics(eng) -> dict:
+    """What the engine's start-up warm-up did (loom.engine.warmup.WarmupReport), and the graphs it holds."""
+    w = eng.runner.warmup
+    g = eng.runner.graphs
+    out = {"graphs": len(g._graphs) if g is not None else 0, "graph_buckets": g.buckets if g is not None else []}
+    if w is not None:
+        out.update(warmup_steps=w.steps, warmup_lora_launches=w.lora_launches, warmup_compiles=w.compiles,
+                   warmup_s=w.seconds)
+    return out
+
+
 def graph_steps(eng) -> int:
     return eng.runner.graphs.replays if eng.runner.graphs is not None else 0
 
@@ -103,32 +126,61 @@ def _greedy(n, logprobs=None):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
 
 
-def schedules(smoke: bool) -> dict:
-    """name -> (engine kwargs, plan, tokens per request, what the spy/engine must show)."""
+# The engines of the section: the fewest that cover its cases. Small limits (the plans never run more than six
+# sequences, 87 tokens in a step or 60 in a sequence): the start-up warm-up compiles every tile class and captures
+# every graph bucket up to these, and nothing the checks reach lies above them.
+ENGINE_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128)
+LORA_LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=512, max_lora_rank=16)  # 14 rows of up to 43 tokens
+PREEMPT_BLOCKS = 12  # KV blocks of the graphs engine: the preemption plan needs ~16, the mixed plan's prefix survives
+
+
+def plans(smoke: bool) -> dict:
+    """name -> (plan, tokens per request, what the spy / engine must show)."""
     p = random_prompts([40, 7, 20, 5, 50, 37, 9, 20, 25, 18, 30], VOCAB, seed=21)
     a = p[0]
     n = 4 if smoke else 12
     mixed = [(0, "A", a, None), (0, "B", p[1], None), (0, "A-dup", list(a), None),  # a duplicate in the same step
              (3, "A-ext", a + p[3], None), (3, "C", p[2], None),  # arrive while A and B decode: mixed steps
              (n + 2, "A-again", list(a), None)]  # after A finished: hits its cached blocks
+    return {"mixed": (mixed, n, "mixed prefix"),
+            "chunked": ([(0, f"c{i}", q, None) for i, q in enumerate(p[4:7])], n, "chunked"),
+            "preempt": ([(0, f"p{i}", q, None) for i, q in enumerate(p[7:11])], 30, "preempt")}
+
+
+def engines() -> dict:
+    """engine name -> (dtype, engine kwargs (kv_blocks: a KV cache of that many blocks), [(check name, plan)]).
+    fp32 graphs: the mixed plan (duplicate prompts in one step, prefix hits) then preemption on the same engine;
+    fp32 eager under a 16-token budget: the chunked plan and the mixed plan chunked, every step eager; bf16: the
+    mixed plan against the oracle."""
     return {
-        "mixed prefill/decode + duplicate prompts + prefix hits": ({}, mixed, n, "mixed prefix"),
-        "chunked prefill (16-token budget)": (dict(max_num_batched_tokens=16),
-                                              [(0, f"c{i}", q, None) for i, q in enumerate(p[4:7])], n, "chunked"),
-        "preemption (7 KV blocks)": (dict(kv_cache_memory_bytes=0, enable_prefix_caching=False),
-                                     [(0, f"p{i}", q, None) for i, q in enumerate(p[7:11])], 30, "preempt"),
+        "fp32 graphs": ("float32", dict(kv_blocks=PREEMPT_BLOCKS), [
+            ("mixed prefill/decode + duplicate prompts + prefix hits", "mixed"),
+            (f"preemption ({PREEMPT_BLOCKS} KV blocks)", "preempt")]),
+        "fp32 eager, 16-token budget": ("float32", dict(cuda_graphs=False, max_num_batched_tokens=16), [
+            ("chunked prefill", "chunked"), ("mixed schedule chunked, every step eager", "mixed")]),
+        "bf16 graphs": ("bfloat16", {}, [("mixed schedule vs the fp32 oracle on bf16-rounded weights", "mixed")]),
     }
 
 
-def check_fp32(path, model, dev, sched) -> dict:
-    kw, plan, n, must = sched
-    if kw.get("kv_cache_memory_bytes") == 0:  # 7 blocks: room for about two of the four requests at a time
-        cfg = model.config
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_block = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * hd * 4
-        kw = dict(kw, kv_cache_memory_bytes=7 * per_block)
-    eng = _engine(path, dev, "float32", **kw)
+def kv_block_bytes(model, dtype_bytes: int = 4) -> int:
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * hd * dtype_bytes
+
+
+def build_engine(path, model, dev, dtype, kw) -> object:
+    kw = dict(ENGINE_LIMITS, **kw)
+    blocks = kw.pop("kv_blocks", None)
+    if blocks is not None:
+        kw["kv_cache_memory_bytes"] = blocks * kv_block_bytes(model)
+    return _engine(path, dev, dtype, **kw)
+
+
+def check_fp32(eng, model, plan) -> dict:
+    plan, n, must = plan
     spy = spy_steps(eng)
+    sc = eng.scheduler
+    hits0, pre0, graphs0 = sc.prefix_hit_tokens, sc.num_preemptions, graph_steps(eng)
     res = drive(eng, plan, _greedy(n))
     oracle = {}
     for _, rid, prompt, _ in plan:
@@ -136,26 +188,26 @@ def check_fp32(path, model, dev, sched) -> dict:
         if key not in oracle:
             oracle[key] = hf_greedy(model, prompt, n)
         assert res[rid]["tokens"] == oracle[key], f"{rid} ({len(prompt)} prompt tokens) diverged from transformers"
-    sc = eng.scheduler
+    hits, pre, graphs = sc.prefix_hit_tokens - hits0, sc.num_preemptions - pre0, graph_steps(eng) - graphs0
     if "mixed" in must:
         assert spy["mixed"] > 0, "no step mixed decodes with prefills"
     if "prefix" in must:
-        assert sc.prefix_hit_tokens > 0 and res["A-again"]["cached"] >= 32, "no prefix-cache hit"
+        assert hits > 0 and res["A-again"]["cached"] >= 32, "no prefix-cache hit"
     if "chunked" in must:
         assert spy["chunked"] > 0, "no prompt was chunked"
     if "preempt" in must:
-        assert sc.num_preemptions > 0, "nothing was preempted"
-    if kw.get("cuda_graphs", True):
-        assert graph_steps(eng) > 0, "no decode step replayed a CUDA graph"
+        assert pre > 0, "nothing was preempted"
+    if eng.config.cuda_graphs:
+        assert graphs > 0, "no decode step replayed a CUDA graph"
+    else:
+        assert graphs == 0, "cuda_graphs is off but a step replayed a graph"
     assert_no_leak(eng)
-    return dict(spy, requests=len(plan), prefix_hit_tokens=sc.prefix_hit_tokens, preemptions=sc.num_preemptions,
-                graph_steps=graph_steps(eng))
+    return dict(spy, requests=len(plan), prefix_hit_tokens=hits, preemptions=pre, graph_steps=graphs)
 
 
-def check_bf16(path, model, dev, sched) -> dict:
+def check_bf16(eng, model, plan) -> dict:
     """Engine in bf16 vs transformers in fp32 on the bf16-rounded weights, teacher-forced on the engine's tokens."""
-    kw, plan, n, _ = sched
-    eng = _engine(path, dev, "bfloat16", **kw)
+    plan, n, _ = plan
     res = drive(eng, plan, _greedy(n, logprobs=1))
     worst, err_sum, agree, ties, total = 0.0, 0.0, 0, 0, 0
     for _, rid, prompt, _ in plan:
@@ -212,18 +264,27 @@ def run_engine(rec, opts) -> None:
     if opts.model_dir:
         rec.run(f"--model-dir {opts.model_dir}: fp32 greedy", check_user_model, opts.model_dir, dev)
     torch.manual_seed(0)
-    for label, arch, tie, bias, over in model_configs(opts.smoke):
+    sched = plans(opts.smoke)
+    for label, arch, tie, bias, over in model_configs(opts.smoke and not opts.plan):
         model, path = make_hf_model(arch, work / label.replace(" ", "_"), tie=tie, bias_std=bias, **over)
         model = model.to(dev)
-        for name, sched in schedules(opts.smoke).items():
-            rec.run(f"{label}: fp32 {name}", check_fp32, path, model, dev, sched)
-        kw, plan, n, must = schedules(opts.smoke)["mixed prefill/decode + duplicate prompts + prefix hits"]
-        rec.run(f"{label}: fp32 mixed schedule, every step eager (cuda_graphs false)", check_fp32, path, model, dev,
-                (dict(kw, cuda_graphs=False), plan, n, must))
-        oracle = bf16_rounded(copy.deepcopy(model))
-        rec.run(f"{label}: bf16 mixed schedule", check_bf16, path, oracle, dev,
-                schedules(opts.smoke)["mixed prefill/decode + duplicate prompts + prefix hits"])
-        del model, oracle
+        oracles = {"float32": model}
+        for ename, (dtype, kw, cases) in engines().items():
+            holder = {}
+
+            def start(dtype=dtype, kw=kw, model=model):
+                holder["eng"] = build_engine(path, model, dev, dtype, kw)
+                return warmup_metrics(holder["eng"])
+
+            if rec.run(f"{label}: {ename} engine start", start) is None:
+                continue
+            if dtype not in oracles:
+                oracles[dtype] = bf16_rounded(copy.deepcopy(model))
+            check = check_fp32 if dtype == "float32" else check_bf16
+            for cname, pname in cases:
+                rec.run(f"{label}: {ename}: {cname}", check, holder["eng"], oracles[dtype], sched[pname])
+            del holder["eng"]
+        del model, oracles
 
 
 # ---- lora ----------------------------------------------------------------------------------------------------
@@ -256,7 +317,7 @@ def _vs_peft(base, root, prompts, names, res, n):
 def check_lora_mixed(base, root, names, dev, n) -> dict:
     from harness.lora import tiny_llama_config
 
-    eng = _engine(base, dev, "float32", adapter_roots=[str(root)], max_lora_rank=16)
+    eng = _engine(base, dev, "float32", adapter_roots=[str(root)], **LORA_LIMITS)
     groups = []
     orig = eng.adapters.build_lora_meta
     eng.adapters.build_lora_meta = lambda refs, nt: (lambda m: (groups.append(m.num_groups if m else 0), m)[1])(
@@ -275,7 +336,7 @@ def check_lora_mixed(base, root, names, dev, n) -> dict:
 def check_lora_lifecycle(base, root, names, dev, n) -> dict:
     from harness.lora import tiny_llama_config
 
-    eng = _engine(base, dev, "float32", adapter_roots=[str(root)], max_lora_rank=16)
+    eng = _engine(base, dev, "float32", adapter_roots=[str(root)], **LORA_LIMITS)
     reg = eng.adapters
     prompts = random_prompts([6, 13], tiny_llama_config().vocab_size, seed=10)
     first, second = names[0], names[-1]
@@ -300,7 +361,7 @@ def run_lora(rec, opts) -> None:
     from harness.lora import ADAPTERS
 
     work = Path(opts.work_dir) / "lora"
-    base, root, names = _lora_setup(work, opts.smoke)
+    base, root, names = _lora_setup(work, opts.smoke and not opts.plan)
     n = 3 if opts.smoke else 8
     ranks = [a[1] for a in ADAPTERS if a[0] in names]
     rec.run(f"{len(names)} adapters (ranks {min(ranks)}-{max(ranks)}) + plain rows in one step vs PEFT",

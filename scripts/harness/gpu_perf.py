@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from harness.gpu_engine import on_batch, warmup_metrics
 from harness.gpu_report import NOT_IMPLEMENTED, Skip
 from harness.random_llama import (
     LLAMA_1B,
@@ -105,8 +106,8 @@ class Compiles:
 
 
 def graph_modes() -> list[bool | None]:
-    """[False, True]: every step eager, and decode steps replaying CUDA graphs (EngineConfig.cuda_graphs)."""
-    return [False, True] if "cuda_graphs" in EngineConfig.field_names() else [None]
+    """[True, False]: decode steps replaying CUDA graphs (EngineConfig.cuda_graphs), then every step eager."""
+    return [True, False] if "cuda_graphs" in EngineConfig.field_names() else [None]
 
 
 def mode_name(graphs: bool | None) -> str:
@@ -123,17 +124,6 @@ def start_engine(model_dir: str, graphs: bool | None, **kw):
     elif graphs:  # --cpu-smoke: the graph path's code (buckets, padding, static buffers) without capture
         eng.runner.enable_graph_emulation()
     return eng, time.perf_counter() - t
-
-
-def warmup_metrics(eng) -> dict:
-    """What the engine's start-up warm-up did (loom.engine.warmup.WarmupReport), and the graphs it holds."""
-    w = eng.runner.warmup
-    g = eng.runner.graphs
-    out = {"graphs": len(g._graphs) if g is not None else 0, "graph_buckets": g.buckets if g is not None else []}
-    if w is not None:
-        out.update(warmup_steps=w.steps, warmup_lora_launches=w.lora_launches, warmup_compiles=w.compiles,
-                   warmup_s=w.seconds)
-    return out
 
 
 def time_decode(eng, B: int, prompt_len: int, steps: int, seed: int, dev: str, loras=None, profile: bool = False,
@@ -200,7 +190,9 @@ def run_memory(rec, opts) -> None:
     if model is None:
         return
     state = {}
-    rec.run("default sizing and start-up", _default_start, model["dir"], dev, state)
+    # --plan: the dtype "auto" gives on CUDA (bf16), which the tiny model's float32 would not
+    rec.run("default sizing and start-up", _default_start, model["dir"], dev, state,
+            {"dtype": "bfloat16"} if opts.plan else {})
     if "eng" in state:
         rec.run("largest prefill step (max_num_batched_tokens)", _peak_step, state, "prefill")
         rec.run("largest decode step (max_num_seqs)", _peak_step, state, "decode")
@@ -215,9 +207,9 @@ def _mem() -> dict:
     return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
-def _default_start(model_dir: str, dev: str, state: dict) -> dict:
+def _default_start(model_dir: str, dev: str, state: dict, kw: dict) -> dict:
     """The engine with every default (dtype auto, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens)."""
-    eng, secs = start_engine(model_dir, None, device=dev)
+    eng, secs = start_engine(model_dir, None, device=dev, **kw)
     state["eng"] = eng
     run = eng.runner
     kv = run.num_blocks * run.bytes_per_block
@@ -257,11 +249,24 @@ def _peak_step(state: dict, kind: str) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    t = time.perf_counter()
-    outs = eng.step()
-    ms = (time.perf_counter() - t) * 1e3
+    batches = []
+    undo = on_batch(eng, lambda b: batches.append((b.num_decode_seqs, list(b.num_scheduled_tokens))))
+    try:
+        t = time.perf_counter()
+        outs = eng.step()
+        ms = (time.perf_counter() - t) * 1e3
+    finally:
+        undo()
+    assert len(batches) == 1, f"the timed step ran {len(batches)} batches"
+    decode_rows, tokens = batches[0]
+    if kind == "prefill":  # the whole prompt in this one step: nothing before it ran any of it
+        assert decode_rows == 0 and tokens == [n], \
+            f"the timed step was not the {n}-token prefill: {decode_rows} decode rows, tokens per row {tokens}"
+    else:
+        assert decode_rows == seqs and tokens == [1] * seqs, \
+            f"the timed step was not a {seqs}-row decode: {decode_rows} decode rows, tokens per row {tokens}"
     assert len(outs) == seqs, f"{len(outs)} of {seqs} requests got a token in the step"
-    res = {"step_ms": ms, "sequences": seqs, **_mem()}
+    res = {"step_ms": ms, "sequences": seqs, "step_tokens": sum(tokens), **_mem()}
     if cuda:
         res["step_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         assert torch.cuda.max_memory_reserved() <= state["budget"], \
@@ -287,18 +292,20 @@ def _write_adapters(root: Path, model_dir: str, n: int, rank: int) -> dict:
     return {"adapters": n, "rank": rank, "bytes_each": per_rank * rank * 2}
 
 
-def attention_row(rec, dev, smoke, copy_gbps, B, ctx, H, KVH, D) -> None:
+def attention_row(rec, opts, copy_gbps, B, ctx, H, KVH, D) -> None:
     import torch.nn.functional as F
 
     import harness.kernel_cases as kc
     from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 
+    dev, smoke = opts.device, opts.smoke
+
     def measure():
-        dt = torch.float32 if smoke else torch.bfloat16
+        dt = torch.float32 if smoke and not opts.plan else torch.bfloat16
         kcache, vcache, bt, sl = kc.make_paged_cache([ctx] * B, 16, KVH, D, dt, dev)
         q = torch.randn(B, H, D, device=dev).to(dt)
         out = torch.empty_like(q)
-        fn = paged_decode_attention_triton if dev == "cuda" else paged_decode_attention_ref
+        fn = paged_decode_attention_triton if dev == "cuda" or opts.plan else paged_decode_attention_ref
         paged_ms = bench_ms(lambda: fn(q, kcache, vcache, bt, sl, D ** -0.5, out=out), dev)
         k = kcache[bt.long()].reshape(B, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()  # [B, KVH, ctx, D]
         v = vcache[bt.long()].reshape(B, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()
@@ -323,16 +330,16 @@ def attention_row(rec, dev, smoke, copy_gbps, B, ctx, H, KVH, D) -> None:
 
 
 def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int, kv_bytes: int,
-           lora: bool, attention: list) -> None:
+           lora: bool, attention: list, eager: bool = True) -> None:
+    """The decode sweep first (CUDA graphs, the served mode, then eager unless `eager` is false), the paged
+    attention rows last: what a section cut at its limit loses is the least important part."""
     dev, smoke = opts.device, opts.smoke
+    full = not smoke or opts.plan  # the CUDA run's batches, adapters and dtype (--plan: at tiny dims)
     copy = rec.run("device-to-device copy bandwidth", copy_bandwidth, dev, smoke)
     if copy is None:
         return
     gbps = copy["gbps"]
     rec.metric("copy_gbps", gbps)
-    rec.table("paged decode attention", ["shape", "paged ms", "GB/s", "of copy", "SDPA ms", "SDPA GB/s", "vs SDPA"])
-    for shape in attention:
-        attention_row(rec, dev, smoke, gbps, *shape)
     t = time.time()
     made = rec.run(f"random {name}-class Llama written", lambda: {"dir": ensure_random_llama(
         Path(opts.work_dir), f"llama{name.lower()}", cfg, dev)})  # the memory section may have written it
@@ -340,22 +347,22 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
         return
     rec.metric("model_write_s", time.time() - t)
     ad = None
+    n_ad, rank = (32, 16) if full else (4, 4)
     if lora:
-        ad = rec.run(f"{4 if smoke else 32} distinct rank-{4 if smoke else 16} adapters written (q/k/v/o)",
-                     _write_adapters,
-                     Path(opts.work_dir) / f"adapters-{name}", made["dir"], 4 if smoke else 32, 4 if smoke else 16)
+        ad = rec.run(f"{n_ad} distinct rank-{rank} adapters written (q/k/v/o)", _write_adapters,
+                     Path(opts.work_dir) / f"adapters-{name}", made["dir"], n_ad, rank)
     rec.table("decode", SPEED_COLUMNS)
     label = f"tiny ({name} slot)" if smoke else f"{name} random"
-    seqs = max(batches + ((32,) if lora and not smoke else (4,) if lora else ()))
-    kw = dict(dtype="float32" if smoke else "bfloat16", max_num_seqs=seqs, kv_cache_memory_bytes=kv_bytes,
+    seqs = max(batches + ((n_ad,) if lora else ()))
+    kw = dict(dtype="bfloat16" if full else "float32", max_num_seqs=seqs, kv_cache_memory_bytes=kv_bytes,
               max_model_len=min(cfg["max_position_embeddings"], 4096), device=dev)
     if ad is not None:
         kw.update(adapter_roots=[str(Path(opts.work_dir) / f"adapters-{name}")], max_lora_rank=16,
                   lora_memory_bytes=64 << 20 if smoke else 1 << 30)
-    modes = graph_modes()
+    modes = graph_modes() if eager else graph_modes()[:1]
     if modes == [None]:
         rec.run("CUDA graphs vs eager", _not_implemented, "EngineConfig.cuda_graphs")
-    served = {}
+    served = {}  # the targets are judged on the first mode: CUDA graphs, how the engine serves
     for graphs in modes:
         mode = mode_name(graphs)
         started, holder = Compiles(), {}
@@ -390,14 +397,14 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
                         ratio = with_lora["tok_s"] / plain["tok_s"]
                         rec.metric(f"lora_ratio_B{B}_{mode}", ratio)
                         if B == len(names):
-                            served["lora"] = (ratio, mode, len(names), ad["rank"])
+                            served.setdefault("lora", (ratio, mode, len(names), ad["rank"]))
         if graphs:
             rec.run(f"{label} {mode}: decode steps replayed graphs", _replayed, eng)
         rec.run(f"{label} {mode}: compile counter saw the start-up compiles", _counter_sane, dev, started, after)
         rec.metric(f"compiles_after_start_{mode}", after.count)
-        served["compiles"] = (after.count, mode)
+        served.setdefault("compiles", (after.count, mode))
         if rows.get(1):
-            served["b1"] = (rows[1]["weight_fraction"], mode)
+            served.setdefault("b1", (rows[1]["weight_fraction"], mode))
         del eng
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -410,6 +417,9 @@ def _speed(rec, opts, name: str, cfg: dict, batches, prompt_len: int, steps: int
     if "lora" in served:
         ratio, mode, n, rank = served["lora"]
         rec.target(f"{name}: {n} distinct rank-{rank} adapters vs none at B={n}, tokens/s ({mode})", ratio, ">=", 0.85)
+    rec.table("paged decode attention", ["shape", "paged ms", "GB/s", "of copy", "SDPA ms", "SDPA GB/s", "vs SDPA"])
+    for shape in attention:
+        attention_row(rec, opts, gbps, *shape)
     if opts.model_dir:
         _user_model(rec, opts, gbps)
 
@@ -460,17 +470,24 @@ def _user_model(rec, opts, gbps) -> None:
                    dict(prompt_len=128, steps=3 if opts.smoke else 20, seed=B, dev=opts.device))
 
 
+ATTENTION_1B = [(8, 16384, 32, 8, 128), (32, 8192, 32, 8, 128), (128, 2048, 32, 8, 128), (32, 8192, 32, 8, 64)]
+
+
 def run_speed(rec, opts) -> None:
-    if opts.smoke:
+    """1B-class: always comes out (the 8B sweep is the optional section after it)."""
+    if opts.plan:  # the CUDA run's batches, prompts and adapters at tiny dims; a few steps (they compile nothing)
+        _speed(rec, opts, "1B", TINY_A, (1, 8, 32, 128), 512, 2, 256 << 20, True, [(2, 64, 4, 2, 16)])
+    elif opts.smoke:
         _speed(rec, opts, "1B", TINY_A, (1, 2), 16, 3, 64 << 20, True, [(2, 64, 4, 2, 16)])
     else:
-        attention = [(8, 16384, 32, 8, 128), (32, 8192, 32, 8, 128), (128, 2048, 32, 8, 128), (32, 8192, 32, 8, 64)]
-        _speed(rec, opts, "1B", LLAMA_1B, (1, 8, 32, 128), 512, 30, 8 << 30, True, attention)
+        _speed(rec, opts, "1B", LLAMA_1B, (1, 8, 32, 128), 512, 30, 8 << 30, True, ATTENTION_1B)
 
 
 def run_speed_8b(rec, opts) -> None:
-    if opts.smoke:
-        _speed(rec, opts, "8B", TINY_B, (1, 2), 16, 3, 64 << 20, False, [])
+    """8B-class: CUDA graphs only (eager vs graphs is the 1B section's), no adapters; an optional section."""
+    if opts.plan:
+        _speed(rec, opts, "8B", TINY_B, (1, 8, 32, 128), 512, 2, 256 << 20, False, [], eager=False)
+    elif opts.smoke:
+        _speed(rec, opts, "8B", TINY_B, (1, 2), 16, 3, 64 << 20, False, [], eager=False)
     else:
-        _speed(rec, opts, "8B", LLAMA_8B, (1, 8, 32, 128), 512, 20, 16 << 30, False, [])
-
+        _speed(rec, opts, "8B", LLAMA_8B, (1, 8, 32, 128), 512, 20, 16 << 30, False, [], eager=False)

@@ -3,7 +3,8 @@
 A section runs in its own process with a Recorder; the record is rewritten to a file after every check, so a
 section killed at its time limit still reports what it finished. The parent turns each record into one JSON line.
 Statuses: "pass", "fail", "timeout", "skipped: <why>". Only "skipped: not implemented" (an interface another change
-adds later) and "skipped: n/a ..." (no meaning on this device) are not failures; "skipped: time" is one.
+adds later) and "skipped: n/a ..." (no meaning on this device) are not failures; "skipped: time" is one, except in
+an optional section (Options.optional).
 """
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ class Skip(Exception):
     """Raised inside a check: it did not run, for the reason given."""
 
 
-def status_ok(status: str) -> bool:
-    return status == "pass" or status.startswith((f"skipped: {NOT_IMPLEMENTED}", "skipped: n/a"))
+def status_ok(status: str, optional: bool = False) -> bool:
+    """A check's status that is not a failure; in an optional section (the 8B sweep) "skipped: time" is not one
+    either."""
+    return status == "pass" or status.startswith((f"skipped: {NOT_IMPLEMENTED}", "skipped: n/a")) or \
+        (optional and status == "skipped: time")
 
 
 @dataclass
@@ -36,6 +40,9 @@ class Options:
     log_path: str
     model_dir: str
     deadline: float  # time.time() after which a section starts no new check (its hard limit is later)
+    plan: bool = False  # gpu_check --plan: the CUDA run's structure (dtypes, models, batches) at CPU-sized shapes,
+    # the Triton launches recorded for sm_90 and not run (harness.triton_variants); checks' results mean nothing
+    optional: bool = False  # a check not started for time is not a failure (the section's numbers are extras)
 
 
 def _clean(v):
@@ -65,12 +72,13 @@ class Recorder:
         self.partial_path = partial_path
         self.t0 = time.time()
         self.rec = {"section": section, "status": "running", "device": opts.device, "smoke": opts.smoke,
-                    "seconds": 0.0, "checks": [], "metrics": {}, "tables": {}, "targets": []}
+                    "optional": opts.optional, "seconds": 0.0, "checks": [], "metrics": {}, "tables": {}, "targets": []}
 
     # ---- output -------------------------------------------------------------------------------
     def say(self, msg: str) -> None:
         line = f"[{self.rec['section']} {time.time() - self.t0:6.1f}s] {msg}"
-        print(line, flush=True)
+        if not self.opts.plan:  # --plan: the checks' results mean nothing, its table is the output
+            print(line, flush=True)
         if self.opts.log_path:
             with open(self.opts.log_path, "a") as f:
                 f.write(line + "\n")
@@ -124,8 +132,8 @@ class Recorder:
         self.flush()
 
     def target(self, name: str, value, op: str, threshold: float, note: str = "") -> None:
-        """A goal from the issue: recorded with met true/false (null when not measured here). Missed targets fail
-        the run only with --strict."""
+        """A goal (docs/GPU_CHECK.md, Targets): recorded with met true/false (null when not measured here). Missed
+        targets fail the run only with --strict."""
         met = None
         if value is not None and not self.opts.smoke and self.opts.device == "cuda":
             met = bool(value >= threshold) if op == ">=" else bool(value <= threshold)
@@ -136,7 +144,7 @@ class Recorder:
     def finish(self, error: str | None = None) -> dict:
         if error:
             self.rec["error"] = error[:500]
-        bad = [c for c in self.rec["checks"] if not status_ok(c["status"])]
+        bad = [c for c in self.rec["checks"] if not status_ok(c["status"], self.opts.optional)]
         self.rec["status"] = "fail" if (bad or error) else "pass"
         self.flush()
         return self.rec
@@ -164,6 +172,20 @@ def child_main(section: str, target: str, opts: Options, partial_path: str, resu
     write_json_atomic(Path(result_path), rec.finish(error))
 
 
+def plan_main(section: str, target: str, opts: Options, partial_path: str, result_path: str) -> None:
+    """gpu_check --plan: the section's code path on CPU with every Triton launch recorded as the sm_90 variant a
+    GPU would compile (harness.triton_variants: nothing is compiled or run; TRITON_INTERPRET unset and
+    LOOM_FORCE_TRITON=1, so the engine's warm-up runs as on CUDA). The record gets `variants`: the distinct keys."""
+    from harness.triton_variants import VariantRecorder
+
+    with VariantRecorder() as vr:
+        child_main(section, target, opts, partial_path, result_path)
+    rec = json.loads(Path(result_path).read_text())
+    rec["variants"] = sorted(repr(k) for k in vr.keys)
+    rec["launches"] = vr.launches
+    write_json_atomic(Path(result_path), rec)
+
+
 # ---- the summary the parent prints last ---------------------------------------------------------------
 
 
@@ -182,7 +204,7 @@ def summary_lines(records: list[dict]) -> list[str]:
     for r in records:
         st = [c["status"] for c in r.get("checks", [])]
         npass = sum(s == "pass" for s in st)
-        nfail = sum(not status_ok(s) for s in st)
+        nfail = sum(not status_ok(s, r.get("optional", False)) for s in st)
         out.append(f"{r['section']:<13}{r['status']:<30}{r.get('seconds', 0):>8.1f}  {npass} / {nfail} / "
                    f"{len(st) - npass - nfail}" + (f"   {r['error'][:80]}" if r.get("error") else ""))
     for r in records:
@@ -196,12 +218,13 @@ def summary_lines(records: list[dict]) -> list[str]:
             out += ["".join(v.rjust(w[i]) for i, v in enumerate(row)) for row in cells]
     targets = [(r["section"], t) for r in records for t in r.get("targets", [])]
     if targets:
-        out += ["", "targets (issue 12; met is judged on a CUDA run only):"]
+        out += ["", "targets (met is judged on a CUDA run only):"]
         for sec, t in targets:
             met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
             out.append(f"  {met:<7}{sec + ': ' + t['name']:<62} {_fmt(t['value']):>10} {t['op']} "
                        f"{_fmt(t['threshold'])}  {t.get('note', '')}")
-    fails = [(r["section"], c) for r in records for c in r.get("checks", []) if not status_ok(c["status"])]
+    fails = [(r["section"], c) for r in records for c in r.get("checks", [])
+             if not status_ok(c["status"], r.get("optional", False))]
     if fails:
         out += ["", "failed checks:"]
         out += [f"  {sec}: {c['name']}: {c['status']} {c.get('error', '')}" for sec, c in fails]

@@ -1,6 +1,6 @@
 """The GPU-side tooling, exercised on CPU: gpu_check's --cpu-smoke path (every section, its JSON lines, its exit
-code when a section fails or runs out of time), and compiling every kernel for sm_90 (codegen errors the
-interpreter would not see)."""
+code when a section fails or runs out of time), its --plan dry run and time budget, memory's peak-step timing, and
+compiling every kernel for sm_90 (codegen errors the interpreter would not see)."""
 import json
 import os
 import subprocess
@@ -77,6 +77,93 @@ def test_gpu_check_kills_a_section_at_its_hard_limit(tmp_path):
     assert rec["status"] == "timeout" and "hard limit of 2s" in rec["error"], rec
     assert [(c["name"], c["status"]) for c in rec["checks"]] == [("finished before the limit", "pass")]
     assert _lines(tmp_path) == [rec]
+
+
+def test_gpu_check_optional_section_out_of_time_is_not_a_failure(tmp_path):
+    """The same hard limit on the optional section (the 8B sweep): reported as "skipped: time" with what it had
+    finished, and not a failure; a correctness section's timeout (above) is one."""
+    import gpu_check
+
+    args = gpu_check.parse_args(["--cpu-smoke", "--out", str(tmp_path), "--limit", "2"])
+    (tmp_path / "work").mkdir()
+    runner = gpu_check.Runner(args, "cpu", tmp_path, tmp_path / "work")
+    required, optional = runner.run([gpu_check.Section("slow", f"{__name__}:_slow_section", 60, 60, True),
+                                     gpu_check.Section("extra", f"{__name__}:_slow_section", 60, 60, True, True)])
+    assert required["status"] == "timeout" and gpu_check.section_failed(required), required
+    assert optional["status"] == "skipped: time" and not gpu_check.section_failed(optional), optional
+    assert [c["status"] for c in optional["checks"]] == ["pass"]
+
+
+def test_gpu_check_limits_fit_its_budget():
+    """By construction: every section can run to its limit and the run still ends inside its budget; the 1B speed
+    numbers come before the optional 8B sweep, which is the only optional section."""
+    import gpu_check
+
+    total = sum(s.limit_s for s in gpu_check.SECTIONS)
+    assert total <= gpu_check.BUDGET_S - gpu_check.MARGIN_S, total
+    assert gpu_check.limits_fit(gpu_check.SECTIONS, gpu_check.BUDGET_S, gpu_check.MARGIN_S)
+    assert not gpu_check.limits_fit(gpu_check.SECTIONS, total + gpu_check.MARGIN_S - 1, gpu_check.MARGIN_S)
+    assert gpu_check.BUDGET_S <= 480  # a run and a rerun of its failed sections in 15 minutes of device time
+    names = [s.name for s in gpu_check.SECTIONS]
+    assert names.index("memory") < names.index("speed") < names.index("speed_8b") == len(names) - 1
+    assert [s.name for s in gpu_check.SECTIONS if s.optional] == ["speed_8b"]
+
+
+def test_gpu_check_plan_rows():
+    """Side-by-side sections start together and each compiles all of its variants; a section run alone counts only
+    what no earlier lone section launched (the shared Triton cache has the rest)."""
+    import gpu_check
+
+    secs = [gpu_check.Section("a", "m:f", 30, 30, False), gpu_check.Section("b", "m:f", 30, 30, False),
+            gpu_check.Section("c", "m:f", 20, 20, True), gpu_check.Section("d", "m:f", 20, 20, True)]
+    rows = gpu_check.plan_rows(secs, {"a": ["k1", "k2"], "b": ["k1"], "c": ["k1", "k3"], "d": ["k1", "k3", "k4"]})
+    assert [(r["variants"], r["new"]) for r in rows] == [(2, 2), (1, 1), (2, 2), (3, 1)]
+    rows = gpu_check.plan_rows(secs[:1], {"a": [f"k{i}" for i in range(40)]})
+    assert rows[0]["compile_s"] == 40 * gpu_check.COMPILE_S and not rows[0]["fits"]  # past its soft deadline
+    assert gpu_check.plan_rows(secs[:1], {})[0]["fits"] is False  # no record: not shown as fitting
+
+
+def test_gpu_check_plan(tmp_path):
+    """The dry run: each section's code path on CPU with its Triton launches recorded for sm_90; every section
+    that launches Triton kernels on the GPU records variants here, and the plan fits the budget."""
+    p = _run([str(ROOT / "scripts" / "gpu_check.py"), "--plan", "--out", str(tmp_path)], interpret=True)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    plan = json.loads((tmp_path / "gpu_check_plan.json").read_text())
+    rows = {r["section"]: r for r in plan["rows"]}
+    assert list(rows) == SECTIONS
+    assert all(rows[s]["variants"] > 0 for s in SECTIONS if s != "sampler"), rows  # the sampler has no kernel
+    assert all(r["fits"] for r in rows.values()), rows
+    assert plan["limits_sum_s"] <= plan["budget_s"]
+    for name in SECTIONS:
+        assert any(line.startswith(name + " ") for line in p.stdout.splitlines()), p.stdout
+    assert "margin" in p.stdout
+
+
+def test_peak_prefill_step_times_the_prefill(tmp_path):
+    """memory's largest-prefill measurement times the step that runs the whole prompt (not a decode after it):
+    the timed step's tokens are checked, and a prefill run before the timed step is caught."""
+    import pytest
+
+    from harness import gpu_perf
+    from harness.random_llama import TINY_A, ensure_random_llama
+
+    model = ensure_random_llama(tmp_path, "tiny", dict(TINY_A, max_position_embeddings=4096), "cpu")
+    state = {}
+    gpu_perf._default_start(model, "cpu", state, {"max_num_seqs": 4})
+    eng = state["eng"]
+    n = eng.config.max_num_batched_tokens
+    assert n < eng.max_model_len
+    assert gpu_perf._peak_step(state, "prefill")["step_tokens"] == n
+    assert gpu_perf._peak_step(state, "decode")["step_tokens"] == 4
+    add = eng.add_request
+
+    def add_then_step(*a, **k):  # the prefill runs before the timed step: what is timed is a one-row decode
+        add(*a, **k)
+        eng.step()
+
+    eng.add_request = add_then_step
+    with pytest.raises(AssertionError, match=f"not the {n}-token prefill: 1 decode rows"):
+        gpu_perf._peak_step(state, "prefill")
 
 
 def test_gpu_check_without_cuda_exits_cleanly():
