@@ -6,5 +6,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 # ruff comes with the test extras (pyproject.toml); a lint error fails the run before any test starts.
 .venv/bin/ruff check .
-# -rs: every skip with its reason in the summary (a kernel build this CPU cannot run says which flags it lacks)
-exec .venv/bin/python -m pytest -q -rs "$@"
+# pyproject's addopts -ra lists every skip with its reason (a kernel build this CPU cannot run names the flags it lacks)
+exec .venv/bin/python -m pytest -q "$@"
