@@ -32,6 +32,14 @@ def _forward(model) -> Forward:
     return forward
 
 
+def logits_of(model, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [S, vocab] of the rows logits_indices picks out of hidden [T, H]: lm_head runs over those rows
+    only (a graph batch's padded rows never reach it). The eager forward and the decode-graph path both end here."""
+    if logits_indices.shape[0] == 0:  # a step that samples nothing (a prefill chunk): no GEMM of 0 rows
+        return hidden.new_empty((0, model.config.vocab_size), dtype=torch.float32)
+    return model.compute_logits(hidden.index_select(0, logits_indices))
+
+
 class EagerForward:
     """forward(input_ids [T], positions [T], logits_indices [S]) -> logits [S, vocab] float32: the model as written."""
 
@@ -41,10 +49,7 @@ class EagerForward:
         self.model = model
 
     def __call__(self, input_ids, positions, logits_indices):
-        hidden = self.model(input_ids, positions)
-        if logits_indices.shape[0] == 0:  # a step that samples nothing (a prefill chunk): no GEMM of 0 rows
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[logits_indices])
+        return logits_of(self.model, self.model(input_ids, positions), logits_indices)
 
     def warm_up(self, block_size: int) -> None:
         pass

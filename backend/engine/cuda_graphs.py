@@ -2,10 +2,19 @@
 
 A decode-only step of B sequences runs in the smallest bucket b >= B (1, 2, 4, 8, then multiples of 8): its
 rows are staged into the runner's persistent buffers padded to b rows (token 0 at position 0, slot -1 so nothing
-is stored, context length 0 so attention returns zeros), the graph captured for b replays the model and the
-logits of all b rows, and the sampled rows are gathered from its output. Every kernel argument of a captured
-launch is fixed: block tables as wide as max_model_len, the decode split count chosen from b, LoRA tiles from
-b and max_lora_rank.
+is stored, context length 0 so attention returns zeros), the graph captured for b replays the model up to the
+final hidden states, which it writes into the first b rows of the runner's graph_hidden, and lm_head then runs
+eagerly on the sampled rows only (loom.engine.compiled_forward.logits_of, as the eager forward): padded rows
+never get vocabulary-wide work. Every kernel argument of a captured launch is fixed: block tables as wide as
+max_model_len, the decode split count chosen from b, LoRA tiles from b and max_lora_rank.
+
+Memory (what loom.engine.memory_profile must leave room for, and counts exactly): every graph is warmed up and
+captured on the runner's one capture stream, into one shared pool, largest bucket first. A capture keeps no
+tensor of its own - its output goes to graph_hidden, allocated before KV sizing - so what a capture frees is
+free in the pool for the next one, and the pool stays at one forward of the largest bucket however many graphs
+and LoRA keys are captured. (Before: each graph kept its own [b, vocab] float32 logits in the pool, for every
+bucket and key - over 1 GiB for a 128k vocabulary at the default buckets - and each capture warmed up on a new
+stream, each with a cuBLAS workspace of its own for the process's life.)
 
 LoRA: the step's adapter grouping (LoraBatchMeta) is copied into static buffers of b groups (groups past the
 step's have no tokens and rank 0, tokens past its LoRA tokens are in no group), so a mixed-adapter step replays
@@ -25,6 +34,7 @@ import logging
 import numpy as np
 import torch
 
+from loom.engine.compiled_forward import logits_of
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 
 log = logging.getLogger("loom")
@@ -39,23 +49,21 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class _CapturedGraph:
-    """CUDA only: the forward of one bucket captured once, replayed per step; `out` is its logits buffer."""
+    """CUDA only: the forward of one bucket captured once on `stream` into `pool`, replayed per step."""
 
-    def __init__(self, fn, pool):
-        stream = torch.cuda.Stream()
+    def __init__(self, fn, pool, stream):
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # a first run outside capture: lazy inits, allocator warm-up
+        with torch.cuda.stream(stream):  # a first run outside capture, on the capture stream: lazy inits
             fn()
-        torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: a capture while serving must not fail on what another thread (the adapter loader pinning
         # host memory) does meanwhile
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = fn()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> None:
         self.graph.replay()
-        return self.out
 
 
 class _Eager:
@@ -64,8 +72,8 @@ class _Eager:
     def __init__(self, fn):
         self.fn = fn
 
-    def __call__(self) -> torch.Tensor:
-        return self.fn()
+    def __call__(self) -> None:
+        self.fn()
 
 
 class DecodeGraphs:
@@ -75,7 +83,9 @@ class DecodeGraphs:
         self.max_batch = runner.graph_max_batch()
         self.buckets = graph_batch_sizes(self.max_batch)
         self._graphs: dict[tuple[int, frozenset | None], _CapturedGraph | _Eager] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None  # one pool for every graph
+        self._stream = runner.capture_stream() if capture else None
+        self.hidden = runner.graph_hidden  # [max_batch, hidden]: every graph's output rows
         # LoRA module groups with pools attached (checked when graphs are made: after the registry attached them)
         self.lora_groups = frozenset(m.lora_group for m in runner.model.lora_modules().values()
                                      if m.lora_a is not None and m.lora_group is not None
@@ -110,7 +120,7 @@ class DecodeGraphs:
             if stage_padding:  # a capture's first run reads the inputs: make them a valid (empty) batch
                 self._stage_padding(b, key)
             if self.capture:
-                g = _CapturedGraph(fn, self._pool)
+                g = _CapturedGraph(fn, self._pool, self._stream)
             else:
                 g = _Eager(fn)
                 if stage_padding:  # start-up without capture: still launch what a capture would
@@ -134,13 +144,19 @@ class DecodeGraphs:
         ctx = ForwardContext(positions=dev("positions", b), slot_mapping=dev("slot_mapping", b), num_decode_seqs=b,
                              decode=decode, prefill=None, logits_indices=dev("logits_indices", b),
                              lora=None if key is None else self._static_lora(b, key))
-        ids, model = dev("input_ids", b), r.model
+        ids, model, out = dev("input_ids", b), r.model, self.hidden[:b]
 
-        def forward() -> torch.Tensor:
+        def forward() -> None:
             with forward_context(ctx):
-                return model.compute_logits(model(ids, ctx.positions))  # [b, vocab] float32
+                out.copy_(model(ids, ctx.positions))  # a capture keeps no output of its own
 
         return forward
+
+    def run_padding(self, b: int) -> None:
+        """The forward a capture of bucket b (without LoRA) records, run once over all-padding inputs: what the
+        memory profile measures."""
+        self._stage_padding(b, None)
+        self._forward_fn(b, None)()
 
     def _stage_padding(self, b: int, key: frozenset | None) -> None:
         """All-padding inputs for a capture: no token stored, every context empty, no LoRA token."""
@@ -158,7 +174,8 @@ class DecodeGraphs:
 
     # ---- one step ----------------------------------------------------------------------------------
     def run(self, batch, lora: LoraBatchMeta | None, fill=None) -> tuple[torch.Tensor, list[int]] | None:
-        """Serve a decode-only step from its bucket's graph; None when the step is not one for this path.
+        """Serve a decode-only step from its bucket's graph (-> float32 logits of the sampled rows, their indices);
+        None when the step is not one for this path.
         fill: ModelRunner's TokenFill (async scheduling), written into the static input ids before the replay."""
         n = len(batch.seqs)
         if n == 0 or batch.num_decode_seqs != n or (lora is not None and lora.experts is not None):
@@ -183,10 +200,10 @@ class DecodeGraphs:
             r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
                                                                                     non_blocking=True)
         # a graph first needed now is captured over this step's staged inputs (its first run is this step's)
-        out = self._get(b, key, stage_padding=False)()
+        self._get(b, key, stage_padding=False)()
         self.replays += 1
         idx = r.buffers.device_view("logits_indices", len(sampled))
-        return out.index_select(0, idx), sampled
+        return logits_of(r.model, self.hidden, idx), sampled
 
     def _stage_lora(self, b: int, meta: LoraBatchMeta) -> None:
         seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()

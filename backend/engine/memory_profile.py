@@ -1,13 +1,21 @@
 """CUDA only: how many bytes the KV cache may take, from the device's free memory after profiling the largest
 steps the configuration allows (not from total memory and a partial forward).
 
-With the weights loaded, three runs measure the transient peaks the cache must leave room for, each against a
-one-block stand-in cache (every layer shares it; every table points at block 0, where the K/V are stored):
+With the weights loaded, three runs measure the peaks the cache must leave room for, each against a one-block
+stand-in cache (every layer shares it; every table points at block 0, where the K/V are stored):
 - a full forward of max_num_batched_tokens prompt tokens (the largest prefill step), with its logits;
 - the sampler's working set at max_num_seqs rows (logits, softmax, a full sort for top-p/top-k);
-- with CUDA graphs, the largest graph batch's forward: its activations stay allocated in the graph pool.
-Then budget = gpu_memory_utilization x total - what the device already uses (weights, context, other
-processes) - the larger transient peak - the graph pool - the LoRA pools (allocated after the cache) - a margin.
+- with CUDA graphs, the forward a capture of the largest bucket records (loom.engine.cuda_graphs), on the runner's
+  capture stream, after one unmeasured run there that makes that stream's cuBLAS workspaces (kept for the
+  process's life: in the memory in use below, like the step buffers and the graphs' output rows).
+What capture keeps is then known by construction (see cuda_graphs): one shared pool as large as that forward's
+peak, since no capture keeps a tensor of its own and the largest is captured first; no logits (lm_head runs
+after the replay, on the sampled rows, within the sampler's transient); no stream but the one already profiled.
+The capture stream's allocator cache (each graph's first, uncaptured run) holds up to that peak again, beside
+the serving stream's cache of the larger transient peak: a graph first needed while serving is captured then.
+budget = gpu_memory_utilization x total - what the device already uses (weights, context, other processes, the
+step buffers, the graphs' output rows, the capture stream's workspaces) - the larger transient peak - 2 x the
+graph forward's peak (pool + capture stream cache) - the LoRA pools (allocated after the cache) - a margin.
 """
 from __future__ import annotations
 
@@ -15,12 +23,15 @@ import logging
 
 import torch
 
+from loom.engine.compiled_forward import logits_of
 from loom.engine.warmup import fake_batch
 from loom.layers.forward_context import forward_context
 
 log = logging.getLogger("loom")
 
-MARGIN = 256 << 20  # allocator fragmentation, cuBLAS workspaces, small buffers made later
+# allocator fragmentation (segments rounded up, blocks split), cuBLAS workspaces of a serving thread other than the
+# one that profiled, CUDA context growth (kernel modules, graph executables), small buffers made later
+MARGIN = 256 << 20
 
 
 def _peak(fn) -> int:
@@ -38,6 +49,7 @@ def kv_cache_budget(runner) -> int:
     attn = runner.model.attention_layers()
     stand_in = torch.zeros((2, 1, runner.block_size, runner.num_kv_heads, runner.head_dim), dtype=runner.dtype,
                            device=runner.device)
+    before = [(layer.k_cache, layer.v_cache) for layer in attn]
     for layer in attn:
         layer.k_cache, layer.v_cache = stand_in[0], stand_in[1]
     try:
@@ -48,8 +60,7 @@ def kv_cache_budget(runner) -> int:
             def go():
                 ids, ctx, _ = runner.prepare(batch, None)
                 with forward_context(ctx):
-                    hidden = runner.model(ids, ctx.positions)
-                    runner.model.compute_logits(hidden[ctx.logits_indices])
+                    logits_of(runner.model, runner.model(ids, ctx.positions), ctx.logits_indices)
             return go
 
         prefill = _peak(forward(fake_batch(chunks, block_size=runner.block_size)))
@@ -63,18 +74,24 @@ def kv_cache_budget(runner) -> int:
         sampling = _peak(sampler)
         graphs = 0
         if cfg.cuda_graphs:
-            graphs = _peak(forward(fake_batch([], decode=runner.graph_max_batch(), block_size=runner.block_size)))
+            from loom.engine.cuda_graphs import DecodeGraphs
+
+            dg = DecodeGraphs(runner, capture=False)
+            with torch.cuda.stream(runner.capture_stream()):
+                dg.run_padding(dg.max_batch)  # the stream's lazy state: kept, so counted in `used` below
+                graphs = _peak(lambda: dg.run_padding(dg.max_batch))
     finally:
-        for layer in attn:
-            layer.k_cache = layer.v_cache = None
+        for layer, kv in zip(attn, before):
+            layer.k_cache, layer.v_cache = kv
         del stand_in
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
     used = total - free
     lora = cfg.lora_memory_bytes + cfg.lora_expert_memory_bytes
-    budget = int(total * cfg.gpu_memory_utilization) - used - max(prefill, sampling) - graphs - lora - MARGIN
+    budget = int(total * cfg.gpu_memory_utilization) - used - max(prefill, sampling) - 2 * graphs - lora - MARGIN
     log.info("KV cache budget %.2f GiB: %.2f GiB x %.2f, in use %.2f GiB, prefill peak %.2f GiB, sampler %.2f GiB, "
-             "graph pool %.2f GiB, LoRA pools %.2f GiB", budget / 2**30, total / 2**30, cfg.gpu_memory_utilization,
+             "graph forward %.2f GiB (x2), LoRA pools %.2f GiB", budget / 2**30, total / 2**30,
+             cfg.gpu_memory_utilization,
              used / 2**30, prefill / 2**30, sampling / 2**30, graphs / 2**30, lora / 2**30)
     if budget <= 0:
         raise ValueError("no GPU memory left for the KV cache: lower max_num_batched_tokens, max_num_seqs or the LoRA "

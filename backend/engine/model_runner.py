@@ -48,6 +48,13 @@ class ModelRunner:
         self.max_num_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.buffers = self._make_buffers()
+        # The decode graphs' output: the final hidden states of a bucket's rows (each graph writes its first b rows;
+        # lm_head runs after the replay on the sampled rows only). Made before KV sizing, so the profile's free
+        # memory already excludes it, as it excludes the step buffers.
+        hidden = int(hf_cfg.hidden_size)
+        self.graph_hidden = torch.empty((self.graph_max_batch(), hidden), dtype=self.dtype, device=self.device) \
+            if config.cuda_graphs else None
+        self._capture_stream = None
         self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
         self.graphs = None  # loom.engine.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
         self.warmup = None  # loom.engine.warmup.WarmupReport once warm_up() ran
@@ -80,6 +87,14 @@ class ModelRunner:
         c = self.config
         cap = c.cuda_graph_max_batch or 256
         return max(1, min(cap, c.max_num_seqs, c.max_num_batched_tokens))
+
+    def capture_stream(self):
+        """CUDA: the one stream every decode graph is warmed up and captured on, and the memory profile runs the
+        graph forward on: one set of cuBLAS workspaces (kept per stream for the process's life; made by the
+        profile, so counted in its free memory) and one allocator cache, however many graphs are captured."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
 
     # ---- KV sizing -----------------------------------------------------------------------------
     @property

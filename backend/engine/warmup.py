@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loom.engine.compiled_forward import logits_of
 from loom.engine.scheduler import ScheduledBatch
 from loom.kernels.dispatch import use_triton
 from loom.kernels.lora import block_r_for, lora_shrink_triton
@@ -123,8 +124,7 @@ def lora_classes(runner, capacity: int) -> tuple[list[int], list[int]]:
 def _forward(runner, batch, lora=None) -> None:
     ids, ctx, _ = runner.prepare(batch, lora)
     with forward_context(ctx):
-        hidden = runner.model(ids, ctx.positions)
-        runner.model.compute_logits(hidden[ctx.logits_indices])
+        logits_of(runner.model, runner.model(ids, ctx.positions), ctx.logits_indices)
 
 
 @torch.inference_mode()
