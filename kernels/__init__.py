@@ -40,6 +40,7 @@ if __name__ != "kernels" or not _hand_over():
         paged_decode_attention,
         paged_prefill_attention,
         rotary_embedding,
+        rotary_store_kv,
         silu_and_mul,
         store_kv,
     )
@@ -50,6 +51,7 @@ __all__ = [
     "paged_prefill_attention",
     "fused_add_rms_norm",
     "rotary_embedding",
+    "rotary_store_kv",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "fused_moe",

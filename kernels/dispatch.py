@@ -29,7 +29,7 @@ from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_triton
-from loom.kernels.rotary import rotary_embedding_triton
+from loom.kernels.rotary import rotary_embedding_triton, rotary_store_kv_triton
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -60,7 +60,20 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
-    return (rotary_embedding_triton if use_triton(q) else rotary_embedding_cpu)(positions, q, k, cos_sin_cache)
+    """Neox rope on the leading cos_sin_cache.shape[1] dims of each head of q [T, H, D] and k [T, KVH, D], in
+    place (the rows may be strided views into the q|k|v projection)."""
+    if use_triton(q):
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache)
+    rot = cos_sin_cache.shape[-1]  # the CPU kernel rotates all the dims of the views it is given
+    rotary_embedding_cpu(positions, q[..., :rot], k[..., :rot], cos_sin_cache)
+
+
+def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """rotary_embedding(positions, q, k, cos_sin_cache), then store_kv(k, v, ...): one Triton launch."""
+    if use_triton(q):
+        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    rotary_embedding(positions, q, k, cos_sin_cache)
+    store_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
 
 
 def silu_and_mul(x):

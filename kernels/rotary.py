@@ -1,6 +1,9 @@
-"""Neox-style rotary embedding (rotate halves), in place on q [T,H,D] and k [T,KVH,D].
+"""Neox-style rotary embedding (rotate halves) on the leading rotary_dim dims of each head, in place on q [T,H,D]
+and k [T,KVH,D]; fused with the store of this step's K/V into the paged cache, one launch for both.
 
-cos_sin_cache [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]. Math in float32.
+cos_sin_cache [max_pos, rotary_dim]: cos in [:, :rotary_dim/2], sin in [:, rotary_dim/2:]; rotary_dim <= D
+(partial rotary: the dims past it are left as they are). Math in float32. q, k and v may be strided views into
+the fused q|k|v projection's output: only each head's dims must be contiguous.
 """
 from __future__ import annotations
 
@@ -8,61 +11,106 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_store import store_kv_ref
+
 
 @triton.jit
-def _rotate(ptr, stride_h, nheads, cos, sin, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def _rope_rows(ptr, stride_h, nheads, cos, sin, partner, d, D: tl.constexpr, H_PAD: tl.constexpr):
+    """The rotated heads of one token [H_PAD, D_PAD], in float32: x * cos + x[partner] * sin per dim (cos 1 and
+    sin 0 past the rotary dims, sin negated on the first half)."""
     h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, HALF_PAD)[None, :]
-    mask = (h < nheads) & (d < HALF)
-    p1 = ptr + h * stride_h + d
-    x1 = tl.load(p1, mask=mask).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+    mask = (h < nheads) & (d < D)
+    x = tl.load(ptr + h * stride_h + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + h * stride_h + partner, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + xp * sin, mask
 
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cs_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, H, KVH,
-    HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_co, stride_ch,  # shared by k_cache and v_cache (same shape, both contiguous in D)
+    block_size, H, KVH,
+    D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, HALF_PAD)[None, :]
-    cmask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=cmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=cmask, other=0.0).to(tl.float32)
-    _rotate(q_ptr + t * stride_qt, stride_qh, H, cos, sin, HQ_PAD, HALF, HALF_PAD)
-    _rotate(k_ptr + t * stride_kt, stride_kh, KVH, cos, sin, HK_PAD, HALF, HALF_PAD)
+    d = tl.arange(0, D_PAD)[None, :]
+    first = d < HALF
+    rot = d < 2 * HALF
+    partner = tl.where(first, d + HALF, tl.where(rot, d - HALF, d))
+    i = tl.where(first, d, d - HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rot, other=0.0).to(tl.float32)
+    sin = tl.where(first, -sin, sin)
+
+    q_row = q_ptr + t * stride_qt
+    q, qmask = _rope_rows(q_row, stride_qh, H, cos, sin, partner, d, D, HQ_PAD)
+    tl.store(q_row + tl.arange(0, HQ_PAD)[:, None] * stride_qh + d, q.to(q_ptr.dtype.element_ty), mask=qmask)
+    k_row = k_ptr + t * stride_kt
+    k, kmask = _rope_rows(k_row, stride_kh, KVH, cos, sin, partner, d, D, HK_PAD)
+    k = k.to(k_ptr.dtype.element_ty)  # rounded as the in-place result is, then stored from it
+    h = tl.arange(0, HK_PAD)[:, None]
+    tl.store(k_row + h * stride_kh + d, k, mask=kmask)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # -1: padding / tokens whose KV must not be written
+            dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + d
+            tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=kmask)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=kmask)
+            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=kmask)
 
 
-def rotary_embedding_triton(positions, q, k, cos_sin_cache):
+def _launch(positions, q, k, cos_sin_cache, kv=None):
+    """kv: (v, k_cache, v_cache, slot_mapping) to store this step's K/V as well."""
     T, H, D = q.shape
     KVH = k.shape[1]
     if T == 0:
         return
-    # q/k may be strided views into the fused qkv output; only the head_dim must be contiguous
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    half = D // 2
+    rotary_dim = cos_sin_cache.shape[-1]
+    assert rotary_dim <= D and rotary_dim % 2 == 0
+    if kv is None:
+        v, kc, vc, slots, cache_strides, block_size = k, k, k, positions, (0, 0, 0), 1
+    else:
+        v, kc, vc, slots = kv
+        assert v.shape == k.shape and v.stride(-1) == 1 and kc.is_contiguous() and vc.is_contiguous()
+        assert kc.stride() == vc.stride() and kc.shape[2:] == (KVH, D)
+        cache_strides, block_size = kc.stride()[:3], kc.shape[1]
     _rotary_kernel[(T,)](
-        positions, q, k, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), H, KVH,
-        HQ_PAD=triton.next_power_of_2(H), HK_PAD=triton.next_power_of_2(KVH),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        positions, q, k, v, kc, vc, slots, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        *cache_strides, block_size, H, KVH,
+        D=D, D_PAD=triton.next_power_of_2(D), HALF=rotary_dim // 2, HQ_PAD=triton.next_power_of_2(H),
+        HK_PAD=triton.next_power_of_2(KVH), STORE_KV=kv is not None,
     )
 
 
+def rotary_embedding_triton(positions, q, k, cos_sin_cache):
+    _launch(positions, q, k, cos_sin_cache)
+
+
+def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """rotary_embedding, then k (rotated) and v into the caches at slot_mapping (-1 = skip): one launch."""
+    _launch(positions, q, k, cos_sin_cache, (v, k_cache, v_cache, slot_mapping))
+
+
 def _rotate_ref(x, cos, sin):
-    half = x.shape[-1] // 2
-    xf = x.float()
+    half = cos.shape[-1]
+    xf = x[..., :2 * half].float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    x[..., :2 * half].copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
 def rotary_embedding_ref(positions, q, k, cos_sin_cache):
-    half = q.shape[-1] // 2
+    half = cos_sin_cache.shape[-1] // 2
     cs = cos_sin_cache[positions].float()
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     _rotate_ref(q, cos, sin)
     _rotate_ref(k, cos, sin)
+
+
+def rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)

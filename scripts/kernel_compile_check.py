@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for a Hopper GPU (sm_90) without a GPU: catches codegen errors
+"""Compile every Triton kernel for Ampere (sm_80) and Hopper (sm_90) GPUs without a GPU: catches codegen errors
 (unsupported constructs, dot shapes, dtype mixes) that the interpreter lets through.
 
 Run as a script (NOT under TRITON_INTERPRET): the launchers run on CPU tensors, but each kernel launch
@@ -27,7 +27,7 @@ ppa = importlib.import_module("loom.kernels.paged_prefill_attention")
 
 _TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
        torch.int64: "*i64"}
-TARGET = GPUTarget("cuda", 90, 32)
+TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 compiled = []
 
 
@@ -56,9 +56,10 @@ class _Compiler:
                     sig[name] = "fp32"
                 else:
                     raise TypeError(f"{name}: {type(v)}")
-            triton.compile(ASTSource(self.fn, sig, consts), target=TARGET,
-                           options={"num_warps": num_warps, "num_stages": num_stages})
-            compiled.append(self.fn.__name__)
+            for target in TARGETS:
+                triton.compile(ASTSource(self.fn, sig, consts), target=target,
+                               options={"num_warps": num_warps, "num_stages": num_stages})
+                compiled.append(self.fn.__name__)
         return launch
 
 
@@ -84,8 +85,14 @@ def main(argv):
         norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), torch.zeros(T, 96, dtype=dt),
                                                torch.zeros(96, dtype=dt), 1e-5)
         norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), None, torch.zeros(96, dtype=dt), 1e-5)
-        rotary.rotary_embedding_triton(torch.zeros(T, dtype=torch.int64), torch.zeros(T, 9, 64, dtype=dt),
-                                               torch.zeros(T, 3, 64, dtype=dt), torch.zeros(16, 64))
+        pos = torch.zeros(T, dtype=torch.int64)
+        rotary.rotary_embedding_triton(pos, torch.zeros(T, 9, 64, dtype=dt), torch.zeros(T, 3, 64, dtype=dt),
+                                       torch.zeros(16, 64))
+        for hd, rot in ((128, 128), (96, 48)):  # full and partial rotary (Phi-3), head dim not a power of two
+            kv = torch.zeros(T, KVH, hd, dtype=dt)
+            kc = torch.zeros(8, BS, KVH, hd, dtype=dt)
+            rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, hd, dtype=dt), kv, kv, torch.zeros(16, rot),
+                                          kc, kc.clone(), pos)
         for hd, grp, bs in ((128, 4, 16), (64, 3, 32), (256, 1, 16), (8, 2, 16)):  # head_dim 8: tl.dot K >= 16
             kc = torch.zeros(8, bs, 2, hd, dtype=dt)
             bt = torch.zeros(2, 4, dtype=torch.int32)
@@ -106,7 +113,7 @@ def main(argv):
             buf = lora.lora_shrink_triton(x, torch.zeros(3, R, 128, dtype=dt), meta, split_k=sk)
         lora.lora_expand_triton(buf, torch.zeros(R, 128, dtype=dt), [0, 64, 96, 128], meta,
                                         torch.zeros(20, 128, dtype=dt))
-    print(f"compiled {len(compiled)} kernel variants for sm_90 in {time.time() - t0:.0f}s")
+    print(f"compiled {len(compiled)} kernel variants for sm_80 and sm_90 in {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Paged attention over the KV cache: store this step's K/V, then decode and prefill parts separately.
+"""Paged attention over the KV cache: rope on this step's q and k and their store into the cache (one fused kernel),
+then the decode and prefill parts separately.
 
 sliding_window (keys at positions > p - window) and softcap (scores c * tanh(s / c)) are per layer, as the
-kernels define them (docs/CONTRACTS.md). Under torch.compile the whole layer is one opaque op
-(`loom::paged_attention`): it reads the per-step forward context, which a compiled graph must not capture.
+kernels define them (docs/CONTRACTS.md). Under torch.compile the rope is traced (inductor fuses it into its loops)
+and the rest of the layer is one opaque op (`loom::paged_attention`): it reads the per-step forward context, which
+a compiled graph must not capture.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from loom.kernels import paged_decode_attention, paged_prefill_attention, store_kv, torch_ops
+from loom.kernels.dispatch import rotary_store_kv
 from loom.layers.forward_context import get_forward_context
 
 
@@ -25,18 +28,33 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-        fn = torch.ops.loom.paged_attention if torch.compiler.is_compiling() else paged_attention
-        return fn(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.softcap)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotary) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D], each head's dims contiguous (the rows may be strided views into the q|k|v
+        projection): rope (rotary, a layers.rotary.RotaryEmbedding) on q and k in place, this step's K/V into the
+        caches, attention -> [T, H, D] (contiguous)."""
+        if torch.compiler.is_compiling():
+            rotary(positions, q, k)
+            return torch.ops.loom.paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale,
+                                                  self.sliding_window, self.softcap)
+        rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, self.k_cache, self.v_cache,
+                        get_forward_context().slot_mapping)
+        return attend(q, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.softcap)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     scale: float, sliding_window: Optional[int] = None,
                     softcap: Optional[float] = None) -> torch.Tensor:
+    """This step's K/V (rope applied) into the caches, then attention."""
+    store_kv(k, v, k_cache, v_cache, get_forward_context().slot_mapping)
+    return attend(q, k_cache, v_cache, scale, sliding_window, softcap)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+           sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """The step's queries over the caches (this step's K/V already stored): decodes, then prefills."""
     ctx = get_forward_context()
-    store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d = ctx.num_decode_seqs
     if d:
         dec = ctx.decode
@@ -53,4 +71,4 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 # free of side effects keeps the graph functional (the caches are never copied).
 torch_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, float scale, "
                  "SymInt? sliding_window=None, float? softcap=None) -> Tensor", paged_attention,
-                 lambda q, *args, **kw: torch.empty_like(q))
+                 lambda q, *args, **kw: q.new_empty(q.shape))

@@ -54,6 +54,5 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = cos_sin_cache(self.rotary_dim, self.max_position, self.theta, self.scaling).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        if self.rotary_dim < self.head_dim:  # the kernel rotates strided views of the leading dims in place
-            q, k = q[..., :self.rotary_dim], k[..., :self.rotary_dim]
+        """In place on q [T, H, head_dim] and k [T, KVH, head_dim]: their leading rotary_dim dims."""
         rotary_embedding(positions, q, k, self.cos_sin_cache)

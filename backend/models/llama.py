@@ -45,13 +45,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, before rope; the norms return fresh contiguous tensors
             q = self.q_norm(q.reshape(-1, self.head_dim))[0]
             k = self.k_norm(k.reshape(-1, self.head_dim))[0]
-        # split() gives views into qkv; rotary works in place on contiguous copies
-        q = q.reshape(t, self.num_heads, self.head_dim).contiguous()
-        k = k.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        self.rotary(positions, q, k)
-        o = self.attn(q, k, v.contiguous())
-        return self.o_proj(o.reshape(t, -1))
+        # views into qkv (rows strided), never copies: the kernels take them as they are, rope works in place
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = self.attn(positions, q, k, v, self.rotary)
+        return self.o_proj(o.view(t, -1))
 
 
 class MLP(nn.Module):

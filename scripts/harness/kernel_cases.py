@@ -222,6 +222,26 @@ def check_rotary(dtype, device, T=9, heads=9, kvh=3, d=64, max_pos=100):
     return assert_close(q.float(), qr, dtype, "rotary q")
 
 
+def check_rotary_store_kv(dtype, device, T=9, heads=9, kvh=3, d=64, rot=None, block_size=16, max_pos=100):
+    """The fused rope + KV store on strided q|k|v views (slot -1: not stored) against its reference in float32."""
+    qkv = rnd(T, (heads + 2 * kvh) * d, dtype=dtype, device=device)
+    q, k, v = (qkv[:, a * d:b * d].view(T, -1, d) for a, b in ((0, heads), (heads, heads + kvh),
+                                                                 (heads + kvh, heads + 2 * kvh)))
+    pos = torch.randint(0, max_pos, (T,), dtype=torch.int64).to(device)
+    slots = torch.randperm(3 * block_size)[:T].to(device)
+    slots[T // 2] = -1
+    kc, vc = (torch.zeros(3, block_size, kvh, d, dtype=dtype, device=device) for _ in range(2))
+    cs = cos_sin_cache(max_pos, rot or d, device)
+    qr, kr, vr = q.float().clone(), k.float().clone(), v.float().clone()
+    kcr, vcr = kc.float(), vc.float()
+    rotary.rotary_store_kv_triton(pos, q, k, v, cs, kc, vc, slots)
+    rotary.rotary_store_kv_ref(pos, qr, kr, vr, cs, kcr, vcr, slots)
+    assert_close(kc.float(), kcr, dtype, "rotary_store_kv k cache")
+    assert_close(vc.float(), vcr, dtype, "rotary_store_kv v cache")
+    assert_close(k.float(), kr, dtype, "rotary_store_kv k")
+    return assert_close(q.float(), qr, dtype, "rotary_store_kv q")
+
+
 def check_silu(dtype, device, T=5, inter=100):
     x = rnd(T, 2 * inter, dtype=dtype, device=device)
     return assert_close(activation.silu_and_mul_triton(x).float(), activation.silu_and_mul_ref(x.float()), dtype,
@@ -364,6 +384,7 @@ CASES = {
     "top_slots_store_kv": (check_store_kv_top, [dict()]),
     "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
+    "rotary_store_kv": (check_rotary_store_kv, [dict(), dict(heads=8, kvh=2, d=96, rot=48)]),
     "silu_and_mul": (check_silu, [dict()]),
     "gelu_tanh_and_mul": (check_gelu_tanh, [dict(), dict(T=3, inter=1100)]),
     "lora_shrink": (check_lora_shrink, [dict(), dict(split_k=2, n_slices=2), dict(ranks=(100, 3), n_slices=1),

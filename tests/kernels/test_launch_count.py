@@ -1,0 +1,48 @@
+"""Kernel launches per decode layer (scripts/launch_count.py): a tiny 4-layer Llama with every op forced onto its
+Triton path (the interpreter, on CPU), one decode step of 4 sequences, without and with LoRA. Structural, not timed:
+the fused q|k|v and gate|up projections are used as views (no copy kernel), rope and the KV store are one launch.
+
+Per layer without LoRA, 10: 2 fused add+RMSNorm, 4 GEMMs, rope+KV store, decode attention (2 here: the block table
+spans 1,024 tokens, so flash-decoding splits and a reduction merges them), SiLU-and-mul. With LoRA each of the 4
+linears adds a zeroed buffer, a shrink and an expand: 22."""
+import pytest
+import torch
+from launch_count import count_decode_step, make_model, per_layer_max
+
+from loom.kernels.launch_counter import LaunchCounter
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
+
+LAYERS = 4
+MAX_PER_LAYER = {False: 10, True: 22}
+
+
+def test_counter_sees_copies_and_gemms_not_views():
+    w = torch.randn(10, 8)
+    for inference in (False, True):  # inference mode shows composite ops (linear, contiguous) undecomposed
+        with torch.inference_mode(inference):
+            x = torch.randn(4, 8)
+            with LaunchCounter() as c:
+                q, k = torch.nn.functional.linear(x, w).split([6, 4], dim=-1)
+                q.view(4, 2, 3)
+                k.contiguous()  # a strided view: a copy
+                x.contiguous().reshape(-1)  # already contiguous, a view: nothing
+        assert [kind for _, kind, _ in c.records] == ["gemm", "copy"], c.records
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("launch_count")), LAYERS)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["no_lora", "lora"])
+def test_launches_per_decode_layer(tiny_llama, lora):
+    c = count_decode_step(*tiny_llama, lora=lora, seqs=4)
+    m = per_layer_max(c, LAYERS)
+    assert m["copy"] == 0 and c.count(kind="copy") == 0, c.names(kind="copy")
+    assert m["gemm"] == 4, c.names(0)
+    assert m["total"] <= MAX_PER_LAYER[lora], c.names(0)
+    for i in range(LAYERS):
+        triton = c.names(i, "triton")
+        assert triton.count("_rotary_kernel") == 1 and "_store_kv_kernel" not in triton, triton  # one fused launch
+        assert triton.count("_fused_add_rms_norm_kernel") == 2 and triton.count("_act_and_mul_kernel") == 1, triton
