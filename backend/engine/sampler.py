@@ -1,4 +1,4 @@
-"""Fully batched token sampler.
+"""Fully batched token sampler: the per-step batch description (SamplingBatch) and the Sampler that applies it.
 
 The model runner calls :class:`Sampler` once per engine step with the float32 logits of the S
 sequences being sampled (one row each) and a :class:`SamplingBatch` describing them.  Everything in
@@ -18,15 +18,9 @@ Order of operations for a row (matches vLLM / HF):
 3. temperature 0 (below 1e-5): greedy, the argmax of the logits after 1-2.  Otherwise:
    divide by the temperature, then top-k, top-p, min-p, then draw.
 
-Random draw: inverse CDF with a counter-based uniform.  Each row gets one ``u = hash(seed, step)``
-in (0, 1) from a splitmix64-style hash computed with int64 tensor arithmetic (multiplication wraps
-modulo 2^64, logical right shifts are emulated by masking); the token is the first id (in vocabulary
-order) whose float64 cumulative probability under the processed distribution exceeds ``u``.  The draw
-of a row therefore only depends on its own logits, parameters, seed and step (number of output
-tokens so far): the same seed gives the same text whatever else is in the batch, and no
-per-sequence ``torch.Generator`` is needed.  (A Gumbel-max race with per-token hashed noise was
-measured at ~60-110 ms per call for S=32, V=49152 on one CPU thread; one uniform per row plus a
-two-level cumsum costs a few ms and is exact as well.)
+The filters (penalties, top-k / top-p, min-p) are loom.engine.sampling_filters'; the random draw (a counter-based
+uniform per row from its seed and step, then an inverse-CDF pick) is loom.engine.sampling_rng's.  Their public
+names are importable from here too.
 
 Logprobs: the returned logprobs are always those of the *raw* model distribution,
 ``log_softmax(logits)`` of the unmodified logits passed in (before penalties, min_tokens masking,
@@ -36,11 +30,6 @@ vocabulary-wide pass beyond what sampling itself needs), as ``logit - logsumexp(
 log_softmax is materialised): the sampled token's logprob, and the top-K (K = the largest ``logprobs`` n
 in the batch) ids and logprobs, sorted by decreasing logprob, when K > 0 (rows asking for fewer are
 sliced by the caller).
-
-Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are all kept, as in
-vLLM / HF).  Top-p keeps, in decreasing probability order, the tokens whose preceding mass is < top_p,
-i.e. the smallest prefix whose mass is >= top_p (always at least one token).  Min-p drops tokens whose
-probability is < min_p * the largest probability (after top-k / top-p, on the tempered distribution).
 """
 from __future__ import annotations
 
@@ -52,85 +41,25 @@ import torch
 from torch import Tensor
 
 from loom.engine.logits_processors import ProcessorBatch, RequestConstraints
+from loom.engine.sampling_filters import (
+    TOP_P_CANDIDATES,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    token_counts,
+)
 from loom.engine.sampling_params import SamplingParams
+from loom.engine.sampling_rng import CDF_BLOCK, GOLDEN, counter_uniform, mix64, row_keys, sample_from_logits
 from loom.kernels import argmax
+
+__all__ = ["SAMPLING_EPS", "Sampler", "SamplerOutput", "SamplingBatch",
+           # re-exported from loom.engine.sampling_filters and loom.engine.sampling_rng
+           "TOP_P_CANDIDATES", "apply_min_p", "apply_penalties", "apply_top_k_top_p", "token_counts",
+           "CDF_BLOCK", "GOLDEN", "counter_uniform", "mix64", "row_keys", "sample_from_logits"]
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 
 
-# ----------------------------------------------------------------------------------------------
-# Counter-based random numbers (splitmix64 finaliser in int64 torch arithmetic)
-# ----------------------------------------------------------------------------------------------
-def _as_i64(x: int) -> int:
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-GOLDEN = _as_i64(0x9E3779B97F4A7C15)
-_MIX_C1 = _as_i64(0xBF58476D1CE4E5B9)
-_MIX_C2 = _as_i64(0x94D049BB133111EB)
-_U52 = (1 << 52) - 1
-
-
-def _lsr(z: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic on int64)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def mix64(z: Tensor) -> Tensor:
-    """splitmix64 finaliser on int64 tensors, bit-identical to the uint64 version (a bijection)."""
-    z = z ^ _lsr(z, 30)
-    z = z * _MIX_C1
-    z ^= _lsr(z, 27)
-    z *= _MIX_C2
-    z ^= _lsr(z, 31)
-    return z
-
-
-def row_keys(seeds: Tensor, steps: Tensor) -> Tensor:
-    """Per-row stream key from (seed, step): mix(mix(seed) + (step + 1) * GOLDEN)."""
-    return mix64(mix64(seeds) + (steps + 1) * GOLDEN)
-
-
-def counter_uniform(seeds: Tensor, steps: Tensor) -> Tensor:
-    """One uniform per row in (0, 1), float64, a function of (seeds[s], steps[s]) only: top 52 bits of the key."""
-    return (_lsr(row_keys(seeds, steps), 12).to(torch.float64) + 0.5) * (2.0 ** -52)
-
-
-CDF_BLOCK = 256  # inverse-CDF search is two-level: block sums, then a cumsum inside the chosen block
-
-
-def sample_from_logits(logits: Tensor, u: Tensor) -> Tensor:
-    """Inverse-CDF draw: for each row the first token (in id order) whose cumulative probability exceeds ``u`` [R].
-
-    ``logits`` [R, V] may hold -inf for masked tokens (never drawn); ``u`` float64 in (0, 1).  Two-level
-    search so that only one full pass (exp + float32 sums of blocks of ``CDF_BLOCK`` tokens) touches the
-    whole vocabulary: block CDF in float64, then a float64 cumsum inside the chosen block.  Tiny
-    probabilities keep their share (no float32 cumulative sum over the vocabulary is formed).
-    """
-    R, V = logits.shape
-    B = CDF_BLOCK
-    nb = -(-V // B)
-    w = (logits - logits.amax(dim=-1, keepdim=True)).exp_()  # [R, V], 0 where masked
-    if nb * B != V:
-        w = torch.nn.functional.pad(w, (0, nb * B - V))
-    w = w.view(R, nb, B)
-    block_cdf = w.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)  # [R, nb]; float32 sums of B terms
-    target = u[:, None] * block_cdf[:, -1:]
-    blk = torch.searchsorted(block_cdf, target, right=True).clamp_(max=nb - 1)  # [R, 1]
-    before = block_cdf.gather(1, (blk - 1).clamp(min=0))
-    before = torch.where(blk > 0, before, torch.zeros_like(before))
-    inner = w.gather(1, blk[:, :, None].expand(R, 1, B)).squeeze(1).to(torch.float64).cumsum_(dim=-1)  # [R, B]
-    total = inner[:, -1:]
-    # rounding guard: stay strictly below the block's total so the pick is a token of positive weight
-    t = torch.minimum((target - before).clamp_(min=0), torch.nextafter(total, torch.zeros_like(total)))
-    off = torch.searchsorted(inner, t, right=True).clamp_(max=B - 1)
-    return (blk * B + off).squeeze(1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Logits processors (each works on a [R, V] float32 tensor and per-row parameters [R])
-# ----------------------------------------------------------------------------------------------
 def _pad_ids(lists: list[list[int]], pad: int) -> Tensor:
     """Pad token-id lists into an int64 [N, max(L, 1)] CPU tensor filled with ``pad``; ids > pad are clamped to pad."""
     lens = torch.tensor([len(x) for x in lists], dtype=torch.int64)
@@ -141,144 +70,6 @@ def _pad_ids(lists: list[list[int]], pad: int) -> Tensor:
         flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total))
         out[torch.arange(width)[None, :] < lens[:, None]] = flat.clamp_(0, pad)
     return out
-
-
-def token_counts(ids: Tensor, vocab_size: int) -> Tensor:
-    """float32 [N, V] counts of each token id in the padded [N, L] ``ids`` (pad id = vocab_size)."""
-    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
-    return counts[:, :vocab_size]
-
-
-def _gather_ids(ids: Tensor, pad: int) -> Tensor:
-    """Padded ids usable for gather/scatter on [N, V]: each pad becomes the row's first real id (a harmless
-    duplicate), or 0 for a row without ids (callers make that a no-op)."""
-    first = ids.gather(1, (ids != pad).to(torch.int32).argmax(dim=1, keepdim=True))  # first non-pad id
-    first = torch.where(first == pad, torch.zeros_like(first), first)
-    return torch.where(ids == pad, first, ids)
-
-
-def apply_penalties(
-    logits: Tensor,
-    prompt_ids: Tensor | None,
-    output_ids: Tensor,
-    repetition_penalty: Tensor,
-    presence_penalty: Tensor,
-    frequency_penalty: Tensor,
-) -> Tensor:
-    """Return penalised logits (a new tensor; the input is not modified).
-
-    logits [N, V] float32; prompt_ids [N, Lp] / output_ids [N, Lo] int64 padded with V (prompt_ids may be
-    None when no row has a repetition penalty); penalties [N] float32.
-    Repetition penalty (HF): for tokens in prompt or output, ``l / r`` if ``l > 0`` else ``l * r``.
-    Then presence / frequency (OpenAI, output tokens only): ``l -= presence * (c > 0) + frequency * c``
-    with ``c`` the token's count in the output.  Only the listed ids are touched (gather / scatter), the
-    counts come from one ``scatter_add`` over the padded output ids.
-    """
-    V = logits.shape[1]
-    out = logits.clone()
-    if prompt_ids is not None:
-        ids = torch.cat([prompt_ids, output_ids], dim=1)
-        has_ids = (ids != V).any(dim=1, keepdim=True)
-        ids = _gather_ids(ids, V)
-        v = out.gather(1, ids)
-        r = repetition_penalty[:, None]
-        new = torch.where(v > 0, v / r, v * r)
-        out.scatter_(1, ids, torch.where(has_ids, new, v))
-    counts = token_counts(output_ids, V)
-    ids = _gather_ids(output_ids, V)
-    c = counts.gather(1, ids)  # 0 for rows without output (their fake id 0 has count 0)
-    delta = presence_penalty[:, None] * (c > 0) + frequency_penalty[:, None] * c
-    out.scatter_(1, ids, out.gather(1, ids) - delta)
-    return out
-
-
-TOP_P_CANDIDATES = 256  # top-p is first resolved among the top-256 logits of a row; full sort only if needed
-
-
-def _normalize_top_k(top_k: Tensor, vocab_size: int) -> Tensor:
-    return torch.where((top_k <= 0) | (top_k > vocab_size), torch.full_like(top_k, vocab_size), top_k)
-
-
-def _exclusive_cumsum(probs: Tensor) -> Tensor:
-    """Mass strictly before each position (monotone, unlike cumsum - probs)."""
-    return torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
-
-
-def _thresholds_by_sort(x: Tensor, k: Tensor, p: Tensor) -> Tensor:
-    """[R, 1] logit thresholds for top-k then top-p with one full sort per row (k normalised, p > 1 = off)."""
-    sorted_x = x.sort(dim=-1, descending=True).values
-    thr_k = sorted_x.gather(1, (k - 1)[:, None])
-    sorted_x.masked_fill_(sorted_x < thr_k, float("-inf"))
-    keep = _exclusive_cumsum(sorted_x.softmax(dim=-1)) < p[:, None]
-    n_keep = keep.sum(dim=-1).clamp_(min=1)
-    thr_p = sorted_x.gather(1, (n_keep - 1)[:, None])
-    return torch.maximum(thr_k, thr_p)
-
-
-def _thresholds_by_candidates(x: Tensor, k: Tensor, p: Tensor, kc: int) -> tuple[Tensor, Tensor]:
-    """Like :func:`_thresholds_by_sort` but from ``topk(kc)`` only; also returns a [R] bool "exact" flag.
-
-    A row is exact when its whole top-k set lies among the candidates (k <= kc, no tie across the
-    candidate boundary), or when top-k is off and the candidates already hold >= top_p of the mass.
-    """
-    neg_inf = float("-inf")
-    V = x.shape[1]
-    vals = x.topk(kc, dim=-1).values  # sorted, decreasing
-    k_in = k <= kc
-    thr_k = vals.gather(1, (k.clamp(max=kc) - 1)[:, None])
-    thr_k = torch.where(k_in[:, None], thr_k, torch.full_like(thr_k, neg_inf))
-    masked = vals.masked_fill(vals < thr_k, neg_inf)
-    # log-mass of the top-k set: inside the candidates when k <= kc, else (top-k off) the whole row
-    log_total = torch.where(k_in, masked.logsumexp(dim=-1), x.logsumexp(dim=-1))
-    probs = (masked - log_total[:, None]).exp_()
-    before = _exclusive_cumsum(probs)
-    n_keep = (before < p[:, None]).sum(dim=-1).clamp_(min=1)
-    thr_p = masked.gather(1, (n_keep - 1)[:, None])
-    exact = (k_in & (thr_k[:, 0] > vals[:, -1])) | ((k >= V) & (before[:, -1] + probs[:, -1] >= p))
-    return torch.maximum(thr_k, thr_p), exact
-
-
-def apply_top_k_top_p(
-    logits: Tensor,
-    top_k: Tensor,
-    top_p: Tensor | None,
-    top_k_max: int | None = None,
-    max_candidates: int = TOP_P_CANDIDATES,
-) -> Tensor:
-    """Mask (to -inf) tokens outside top-k, then outside top-p (on the renormalised top-k set); new tensor.
-
-    top_k [R] int64, 0 = off (values >= V also mean off); top_p [R] float32 (1 = off), or None when no row
-    uses top-p: then only a ``topk(top_k_max)`` is done.  With top-p, the thresholds come from
-    ``topk(max_candidates)`` for the rows where that is exact, and from one full sort for the others
-    (which rows take which path depends only on each row's own logits and parameters).
-    Ties at a threshold are all kept.
-    """
-    neg_inf = float("-inf")
-    V = logits.shape[1]
-    k = _normalize_top_k(top_k, V)
-    if top_p is None:
-        kmax = V if top_k_max is None else max(1, min(int(top_k_max), V))
-        vals = logits.topk(kmax, dim=-1).values
-        thr = vals.gather(1, (k.clamp(max=kmax) - 1)[:, None])
-        thr = torch.where((k >= V)[:, None], torch.full_like(thr, neg_inf), thr)
-        return logits.masked_fill(logits < thr, neg_inf)
-    p = torch.where(top_p >= 1.0, torch.full_like(top_p, 2.0), top_p)  # p = 1: never drop (cumsum rounding)
-    kc = min(int(max_candidates), V)
-    if kc >= V:
-        thr = _thresholds_by_sort(logits, k, p)
-    else:
-        thr, exact = _thresholds_by_candidates(logits, k, p, kc)
-        redo = torch.nonzero(~exact).flatten()
-        if redo.numel():
-            thr = thr.index_copy(0, redo, _thresholds_by_sort(logits.index_select(0, redo), k[redo], p[redo]))
-    return logits.masked_fill(logits < thr, neg_inf)
-
-
-def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
-    """Mask tokens with prob < min_p * max prob (computed in log space: l < l_max + log(min_p))."""
-    thr = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-    return logits.masked_fill(logits < thr, float("-inf"))
 
 
 def _revive_dead_rows(x: Tensor, fallback: Tensor, rows: Tensor) -> Tensor:

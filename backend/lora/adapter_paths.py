@@ -7,7 +7,7 @@ import re
 from typing import Sequence
 
 from loom.errors import RequestError
-from loom.lora.peft_loader import CONFIG_NAME, WEIGHTS_NAME
+from loom.lora.peft_config import CONFIG_NAME, WEIGHTS_NAME
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-]*(?:/[A-Za-z0-9_][A-Za-z0-9._\-]*)*$")
 MAX_NAME_LEN = 256

@@ -1,4 +1,5 @@
-"""Adapters by name: versions, host cache, device residency (LRU), background disk loads, batch metadata.
+"""Adapters by name: the public registry (load / reload / unload / list by name, acquire / activate / release per
+request), its versions' lifecycle and the background loader that reads adapters from disk.
 
 Threading: every public method is meant for the engine's loop thread. A single background thread reads
 adapters from disk into host memory; it takes the registry lock only to publish the result (and does no
@@ -18,11 +19,9 @@ Request flow (engine):
   reg.release(ref)                   # finished/aborted (always, exactly once)
   meta = reg.build_lora_meta(refs_per_seq, tokens_per_seq)   # after all activate() calls of the step
 
-Row spaces: the dense groups (attention, dense MLP; pools sized by lora_memory_bytes) and the MoE expert groups
-(sized by lora_expert_memory_bytes) have separate pools and allocators. A version holds rows in a space only if it
-targets a group there, as many as its largest module rank in that space (known from its config before loading);
-allocation, LRU eviction and compaction run per space, so making room in one space never drops the other's rows.
-A version is device-resident when it has rows in every space it targets.
+Kept apart, each in its own module: a version's record and the request's handle (loom.lora.adapter_version), the
+device rows per row space, LRU eviction and the host tier (loom.lora.residency), and the per-step batch metadata
+(loom.lora.batch_meta). The names they export are importable from here too.
 """
 from __future__ import annotations
 
@@ -39,120 +38,22 @@ from loom.errors import RequestError
 from loom.kernels.cpu_ext import serial_thread
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
+from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
+from loom.lora.batch_meta import build_lora_meta
 from loom.lora.lora_pool import LoraPool
 from loom.lora.model_spec import EXPERT_PROJS
 from loom.lora.peft_loader import (
-    GROUP_LAYOUT,
-    PROJ_TO_GROUP,
     AdapterConfigInfo,
     AdapterLoadError,
-    AdapterWeights,
     LoraModelSpec,
     load_peft_adapter,
     read_adapter_config,
     target_ranks,
 )
+from loom.lora.residency import RowResidency
 
-DENSE, EXPERT = 0, 1  # row spaces: index into AdapterRegistry.pools and _Version.rows / .ranks
-SPACE_NAMES = ("dense", "expert")
-SPACE_FIELDS = ("lora_memory_bytes", "lora_expert_memory_bytes")  # the EngineConfig field sizing each space
-
-
-class _Version:
-    __slots__ = ("name", "path", "version", "config", "rank", "ranks", "scaling", "host", "loading", "error",
-                 "refcount", "active", "rows", "last_used", "stale", "content_hash", "targets",
-                 "pending_kind", "future")
-
-    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo, ranks: list[int],
-                 pending_kind: str):
-        self.name = name
-        self.path = path
-        self.version = version
-        self.config = config
-        self.rank = config.max_rank  # largest module rank; final once loaded
-        self.ranks = list(ranks)  # rows per space (0 = targets nothing there); final once loaded
-        self.scaling = config.scaling_for(config.r, config.lora_alpha)
-        self.host: AdapterWeights | None = None
-        self.loading = False
-        self.error: str | None = None
-        self.refcount = 0  # refs not yet released
-        self.active = 0  # refs currently activated (pins device rows)
-        self.rows = [-1, -1]  # first row per space, >= 0 while it holds rows there
-        self.last_used = 0
-        self.stale = False  # unloaded or replaced by a reload: freed when refcount drops to 0
-        self.content_hash = ""
-        self.targets: list[str] = []
-        self.pending_kind = pending_kind  # "load" | "reload" | "" (published)
-        self.future: Future | None = None
-
-    @property
-    def resident(self) -> bool:
-        """Rows in every space it targets (what a step needs)."""
-        return all(start >= 0 for start, rank in zip(self.rows, self.ranks) if rank)
-
-    @property
-    def state(self) -> str:
-        if self.loading:
-            return "loading"
-        if self.resident:
-            return "device"
-        if self.host is not None:
-            return "host"
-        if self.error is not None:
-            return "failed"
-        return "disk"
-
-
-class AdapterRef:
-    """A request's hold on one exact adapter version (pins the version; activate() pins device rows)."""
-
-    __slots__ = ("_v", "active", "released")
-
-    def __init__(self, v: _Version):
-        self._v = v
-        self.active = False
-        self.released = False
-
-    @property
-    def name(self) -> str:
-        return self._v.name
-
-    @property
-    def version(self) -> int:
-        return self._v.version
-
-    @property
-    def ready(self) -> bool:
-        """Weights are in host (or device) memory, so activate() can succeed without waiting for disk."""
-        return self._v.host is not None or self._v.resident
-
-    @property
-    def error(self) -> str | None:
-        """Set when the background load of this version failed (the request cannot be served)."""
-        return None if self.ready else self._v.error
-
-    @property
-    def rank(self) -> int:
-        return self._v.rank
-
-    @property
-    def scaling(self) -> float:
-        return self._v.scaling
-
-    @property
-    def row_start(self) -> int:
-        """First row in the dense pools (-1 if it targets no dense group); valid while active (and read it after the
-        step's activate() calls: compaction moves rows)."""
-        return self._v.rows[DENSE]
-
-    @property
-    def expert_row_start(self) -> int:
-        """First row in the expert pools (-1 if it targets no expert); valid like row_start."""
-        return self._v.rows[EXPERT]
-
-    def __repr__(self) -> str:
-        return (f"AdapterRef({self.name!r}, version={self.version}, rank={self.rank}, ready={self.ready}, "
-                f"active={self.active}, rows={self.row_start})")
+__all__ = ["DENSE", "EXPERT", "SPACE_FIELDS", "SPACE_NAMES", "AdapterRef", "AdapterRegistry", "AdapterVersion",
+           "build_lora_meta"]
 
 
 def _loader_thread(device: torch.device) -> None:
@@ -167,31 +68,22 @@ class AdapterRegistry:
         self.dtype = dtype
         self.roots = list(config.adapter_roots)
         self.max_lora_rank = int(config.max_lora_rank)
-        self.max_host_adapters = int(config.max_host_adapters)
         self.spec = spec if spec is not None else LoraModelSpec.from_model(model)
-        pools = []
-        for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
-            sub = self.spec.space(expert=space == EXPERT)
-            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype, self.device),
-                                  self.device, dtype))
-            if model is not None:
-                pools[-1].attach(model)
-        self.pools: tuple[LoraPool, LoraPool] = tuple(pools)
-        self.pool, self.expert_pool = pools  # dense, expert
+        self.residency = RowResidency(config, self.spec, model, self.device, dtype)  # device rows and host tier
+        self.pools: tuple[LoraPool, LoraPool] = self.residency.pools
+        self.pool, self.expert_pool = self.pools  # dense, expert
         self._pin = self.device.type == "cuda"
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._names: dict[str, _Version] = {}  # name -> current (possibly still loading on first load)
-        self._reloading: dict[str, _Version] = {}  # name -> version a reload is loading
-        self._versions: set[_Version] = set()
+        self._names: dict[str, AdapterVersion] = {}  # name -> current (possibly still loading on first load)
+        self._reloading: dict[str, AdapterVersion] = {}  # name -> version a reload is loading
+        self._versions: set[AdapterVersion] = self.residency.versions  # every live version (freed by the residency)
         self._version_ids = itertools.count(1)
         self._clock = 0
         # the loader pins host memory and may touch the device: on the engine's device, not the thread's default;
         # its CPU ops serial, so that it never opens a second OpenMP team beside the engine's (cpu_ext.serial_thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
                                             initializer=_loader_thread, initargs=(self.device,))
-        self.evictions = [0, 0]  # per space
-        self.compactions = [0, 0]
         self.num_disk_loads = 0
 
     # ------------------------------------------------------------------ properties
@@ -203,6 +95,20 @@ class AdapterRegistry:
     @property
     def capacity_rows(self) -> int:
         return self.pool.capacity
+
+    @property
+    def max_host_adapters(self) -> int:
+        return self.residency.max_host_adapters
+
+    @property
+    def evictions(self) -> list[int]:
+        """Per space."""
+        return self.residency.evictions
+
+    @property
+    def compactions(self) -> list[int]:
+        """Per space."""
+        return self.residency.compactions
 
     @property
     def num_evictions(self) -> int:
@@ -269,7 +175,7 @@ class AdapterRegistry:
             for x in (v, p):
                 if x is not None:
                     x.stale = True
-                    self._maybe_free(x)
+                    self.residency.maybe_free(x)
             return info
 
     def list(self) -> list[dict]:
@@ -297,17 +203,7 @@ class AdapterRegistry:
                 "active": sum(v.active for v in self._versions),
                 "disk_loads": self.num_disk_loads,
             }
-            for space, pool in enumerate(self.pools):
-                pre = "expert_" if space == EXPERT else ""
-                out.update({
-                    f"{pre}capacity_rows": pool.capacity,
-                    f"{pre}free_rows": pool.allocator.num_free,
-                    f"{pre}pool_bytes": pool.nbytes,
-                    f"{pre}row_bytes": pool.row_bytes,
-                    f"{pre}holders": sum(1 for v in self._versions if v.rows[space] >= 0),  # versions with rows here
-                    f"{pre}evictions": self.evictions[space],
-                    f"{pre}compactions": self.compactions[space],
-                })
+            out.update(self.residency.info())
             return out
 
     def wait_for_loads(self, timeout: float | None = None) -> bool:
@@ -359,14 +255,9 @@ class AdapterRegistry:
                     if v.error is not None and not v.loading:
                         raise RequestError("lora_name", v.error)
                     return False
-                for space, pool in enumerate(self.pools):
-                    if v.ranks[space] and v.rows[space] < 0:
-                        start = self._alloc_rows(space, v.ranks[space])
-                        if start is None:
-                            return False  # rows taken in the other space stay cached (evictable, not pinned)
-                        pool.write(start, v.host)
-                        v.rows[space] = start
-                self._trim_host()
+                if not self.residency.place(v):
+                    return False  # rows taken in the other space stay cached (evictable, not pinned)
+                self.residency.trim_host()
             v.active += 1
             ref.active = True
             self._touch(v)
@@ -387,15 +278,15 @@ class AdapterRegistry:
             ref.released = True
             v = ref._v
             v.refcount -= 1
-            self._maybe_free(v)
-            self._trim_host()
+            self.residency.maybe_free(v)
+            self.residency.trim_host()
 
     def build_lora_meta(self, refs: Sequence[AdapterRef | None], num_tokens: Sequence[int]) -> LoraBatchMeta | None:
         return build_lora_meta(refs, num_tokens, self.device)
 
     # ------------------------------------------------------------------ internals
 
-    def _touch(self, v: _Version) -> None:
+    def _touch(self, v: AdapterVersion) -> None:
         self._clock += 1
         v.last_used = self._clock
 
@@ -413,25 +304,10 @@ class AdapterRegistry:
         for (_, proj), r in modules.items():
             space = EXPERT if proj in EXPERT_PROJS else DENSE
             ranks[space] = max(ranks[space], r)
-        err = self._room_error(name, ranks)
+        err = self.residency.room_error(name, ranks)
         if err is not None:
             raise RequestError(field_name, err)
         return cfg, ranks
-
-    def _room_error(self, name: str, ranks: list[int]) -> str | None:
-        """Why rows of these ranks can never fit their spaces, naming the config field to raise; None if they can."""
-        for space, (pool, r) in enumerate(zip(self.pools, ranks)):
-            if r <= pool.capacity:
-                continue
-            field_name, row = SPACE_FIELDS[space], pool.row_bytes
-            what = "MoE expert LoRA" if space == EXPERT else "LoRA on attention / dense MLP layers"
-            if pool.capacity == 0:
-                return (f"adapter {name!r} needs {r} rank rows of {what}, which is disabled: {field_name}="
-                        f"{getattr(self.config, field_name)} holds no rank row of this model ({row} bytes each); set "
-                        f"{field_name} to at least {r * row} ({r} x {row}) to serve it")
-            return (f"adapter {name!r}: rank {r} does not fit the device LoRA pool for {what} ({pool.capacity} rank "
-                    f"rows of {row} bytes); raise {field_name} to at least {r * row}")
-        return None
 
     def _resolve_first_use(self, name: str) -> str:
         if not self.roots:
@@ -443,20 +319,20 @@ class AdapterRegistry:
                                f"under the adapter roots")
         return resolve_adapter_path(name, self.roots, "lora_name")
 
-    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, ranks: list[int], kind: str) -> _Version:
-        v = _Version(name, path, next(self._version_ids), cfg, ranks, kind)
+    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, ranks: list[int], kind: str) -> AdapterVersion:
+        v = AdapterVersion(name, path, next(self._version_ids), cfg, ranks, kind)
         self._versions.add(v)
         self._touch(v)
         return v
 
-    def _start_load(self, v: _Version) -> Future:
+    def _start_load(self, v: AdapterVersion) -> Future:
         v.loading = True
         fut: Future = Future()
         v.future = fut
         self._executor.submit(self._load_job, v, fut)
         return fut
 
-    def _load_job(self, v: _Version, fut: Future) -> None:
+    def _load_job(self, v: AdapterVersion, fut: Future) -> None:
         w, err = None, None
         try:
             w = load_peft_adapter(v.path, v.name, self.spec, self.dtype, self.max_lora_rank,
@@ -472,7 +348,7 @@ class AdapterRegistry:
                 w = None
             ranks = [pool.rank_of(w) for pool in self.pools] if err is None else []
             if err is None:  # the weights decide (the loader checked them against the config's ranks)
-                err = self._room_error(v.name, ranks)
+                err = self.residency.room_error(v.name, ranks)
             v.loading = False
             self.num_disk_loads += 1
             if err is not None:
@@ -484,7 +360,7 @@ class AdapterRegistry:
                     del self._reloading[v.name]
                     v.stale = True
                 v.pending_kind = ""
-                self._maybe_free(v)
+                self.residency.maybe_free(v)
             else:
                 v.host, v.rank, v.ranks, v.scaling = w, w.rank, ranks, w.scaling
                 v.content_hash, v.targets, v.error = w.content_hash, w.target_modules, None
@@ -494,10 +370,10 @@ class AdapterRegistry:
                     self._names[v.name] = v
                     if old is not None:
                         old.stale = True
-                        self._maybe_free(old)
+                        self.residency.maybe_free(old)
                 v.pending_kind = ""
-                self._maybe_free(v)  # unloaded while loading and nobody holds it
-                self._trim_host()
+                self.residency.maybe_free(v)  # unloaded while loading and nobody holds it
+                self.residency.trim_host()
             info = self._info(v)
             self._cond.notify_all()
         if err is None:
@@ -505,64 +381,7 @@ class AdapterRegistry:
         else:
             fut.set_exception(RequestError("lora_path", err))
 
-    def _maybe_free(self, v: _Version) -> None:
-        """Free a stale version nobody holds (rows + host weights)."""
-        if v.stale and v.refcount == 0 and not v.loading and v in self._versions:
-            for space, pool in enumerate(self.pools):
-                if v.rows[space] >= 0:
-                    pool.allocator.free(v.rows[space], v.ranks[space])
-                    v.rows[space] = -1
-            v.host = None
-            self._versions.discard(v)
-
-    def _evict(self, v: _Version, space: int) -> None:
-        """Drop v's rows in one space (its rows in the other space stay)."""
-        self.pools[space].allocator.free(v.rows[space], v.ranks[space])
-        v.rows[space] = -1
-        self.evictions[space] += 1
-        self._maybe_free(v)
-
-    def _alloc_rows(self, space: int, n: int) -> int | None:
-        """n contiguous rows in one space: first fit, else compaction if enough rows are free, else evict the least
-        recently used unpinned holder of rows in this space and retry."""
-        alloc = self.pools[space].allocator
-        start = alloc.alloc(n)
-        while start is None:
-            if alloc.num_free >= n:
-                self._compact(space)
-                start = alloc.alloc(n)
-                break
-            victims = [x for x in self._versions if x.rows[space] >= 0 and x.active == 0]
-            if not victims:
-                return None
-            self._evict(min(victims, key=lambda x: x.last_used), space)
-            start = alloc.alloc(n)
-        return start
-
-    def _compact(self, space: int) -> None:
-        """Slide the space's row holders to the front of its pools (rows are read per step, so this is safe
-        between steps; meta built afterwards sees the new rows)."""
-        pool, pos = self.pools[space], 0
-        for v in sorted((x for x in self._versions if x.rows[space] >= 0), key=lambda x: x.rows[space]):
-            if v.rows[space] != pos:
-                pool.move(v.rows[space], pos, v.ranks[space])
-                v.rows[space] = pos
-            pos += v.ranks[space]
-        pool.allocator.reset(pos)
-        self.compactions[space] += 1
-
-    def _trim_host(self) -> None:
-        """Keep at most max_host_adapters versions in host memory that are not device-resident; drop the
-        least recently used ones no request holds (they are read from disk again on next use)."""
-        held = [v for v in self._versions if v.host is not None and not v.resident]
-        over = len(held) - self.max_host_adapters
-        if over <= 0:
-            return
-        for v in sorted((v for v in held if v.refcount == 0 and not v.loading), key=lambda x: x.last_used)[:over]:
-            v.host = None
-            self._maybe_free(v)
-
-    def _info(self, v: _Version) -> dict:
+    def _info(self, v: AdapterVersion) -> dict:
         return {
             "name": v.name,
             "path": v.path,
@@ -580,92 +399,3 @@ class AdapterRegistry:
             "stale": v.stale,
         }
 
-
-def build_lora_meta(refs: Sequence[AdapterRef | None], num_tokens: Sequence[int], device) -> LoraBatchMeta | None:
-    """LoraBatchMeta for a flattened batch: sequence i has num_tokens[i] consecutive tokens, in order.
-
-    refs[i] is the sequence's active AdapterRef or None. The returned meta groups the tokens of adapters with dense
-    rows (no group if none has any); its `experts` groups the tokens of adapters with expert rows, by their expert
-    rows (None if none has any). Returns None if no token uses an adapter.
-    """
-    if len(refs) != len(num_tokens):
-        raise ValueError(f"{len(refs)} refs but {len(num_tokens)} token counts")
-    seq_versions: list[_Version | None] = []
-    for ref in refs:
-        if ref is not None and (not ref.active or not ref._v.resident):
-            raise RuntimeError(f"adapter {ref.name!r} is not active: call activate() before building the batch")
-        seq_versions.append(None if ref is None else ref._v)
-    if all(v is None for v in seq_versions):
-        return None
-    counts = torch.tensor(list(num_tokens), dtype=torch.int64)
-    device = torch.device(device)
-    meta = _space_meta(seq_versions, counts, DENSE, device) or _empty_meta(device)
-    meta.experts = _space_meta(seq_versions, counts, EXPERT, device)
-    return meta
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return t
-    nb = device.type == "cuda"
-    return (t.pin_memory() if nb else t).to(device, non_blocking=nb)
-
-
-def _space_meta(seq_versions: list[_Version | None], counts: torch.Tensor, space: int,
-                device: torch.device) -> LoraBatchMeta | None:
-    """The grouping of one row space: tokens per adapter version with rows there (a stable argsort; one loop over
-    sequences, none over tokens); None if no sequence's adapter has rows in the space."""
-    group_of: dict[int, int] = {}
-    seq_group = [-1] * len(seq_versions)
-    targeted: set[str] = set()
-    row_start: list[int] = []
-    ranks: list[int] = []
-    scalings: list[float] = []
-    for i, v in enumerate(seq_versions):
-        if v is None or not v.ranks[space]:
-            continue
-        g = group_of.get(id(v))
-        if g is None:
-            g = group_of[id(v)] = len(row_start)
-            row_start.append(v.rows[space])
-            ranks.append(v.ranks[space])
-            scalings.append(float(v.scaling))
-            targeted.update(GROUP_LAYOUT[PROJ_TO_GROUP[p][0]][0] for p in v.targets
-                            if (p in EXPERT_PROJS) == (space == EXPERT))
-        seq_group[i] = g
-    if not row_start:
-        return None
-    tok_group = torch.repeat_interleave(torch.tensor(seq_group, dtype=torch.int64), counts)
-    order = torch.argsort(tok_group, stable=True)
-    num_none = int((tok_group < 0).sum())
-    token_indices = order[num_none:]
-    seg_counts = torch.bincount(tok_group[tok_group >= 0], minlength=len(row_start))
-    seg_starts = torch.zeros(len(row_start) + 1, dtype=torch.int64)
-    torch.cumsum(seg_counts, 0, out=seg_starts[1:])
-    return LoraBatchMeta(
-        token_indices=_to_device(token_indices.contiguous(), device),
-        seg_starts=_to_device(seg_starts.to(torch.int32), device),
-        row_start=_to_device(torch.tensor(row_start, dtype=torch.int32), device),
-        ranks=_to_device(torch.tensor(ranks, dtype=torch.int32), device),
-        scalings=_to_device(torch.tensor(scalings, dtype=torch.float32), device),
-        max_rank=max(ranks),
-        max_seg_len=int(seg_counts.max()),
-        seg_starts_cpu=seg_starts.tolist(),
-        row_start_cpu=row_start,
-        ranks_cpu=ranks,
-        scalings_cpu=scalings,
-        module_groups=frozenset(targeted) if targeted else None,
-    )
-
-
-def _empty_meta(device: torch.device) -> LoraBatchMeta:
-    """No token has dense rows (every adapter of the step targets experts only): the linear layers skip LoRA."""
-    return LoraBatchMeta(
-        token_indices=torch.zeros(0, dtype=torch.int64, device=device),
-        seg_starts=torch.zeros(1, dtype=torch.int32, device=device),
-        row_start=torch.zeros(0, dtype=torch.int32, device=device),
-        ranks=torch.zeros(0, dtype=torch.int32, device=device),
-        scalings=torch.zeros(0, dtype=torch.float32, device=device),
-        max_rank=0, max_seg_len=0, seg_starts_cpu=[0], row_start_cpu=[], ranks_cpu=[], scalings_cpu=[],
-        module_groups=frozenset(),
-    )

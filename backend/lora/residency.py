@@ -1,0 +1,142 @@
+"""Row residency: which adapter versions hold rows in the device LoRA pools, and which keep a host copy.
+
+The registry (loom.lora.adapter_registry) owns names and requests; this module owns the memory they take.
+Row spaces: the dense groups (attention, dense MLP; pools sized by lora_memory_bytes) and the MoE expert groups
+(sized by lora_expert_memory_bytes) have separate pools and allocators. A version holds rows in a space only if it
+targets a group there, as many as its largest module rank in that space (known from its config before loading);
+allocation (first fit, else compaction, else eviction of the least recently used unpinned holder) runs per space,
+so making room in one space never drops the other's rows. A version is device-resident when it has rows in every
+space it targets. Host tier: at most max_host_adapters versions that are not device-resident keep their weights in
+host memory; the least recently used ones no request holds are dropped (read from disk again on next use).
+Stale versions (unloaded or replaced) are freed here once no request holds them.
+
+Not thread-safe by itself: the registry calls every method under its lock, on the engine's loop thread or (to
+publish a load) on the loader thread.
+"""
+from __future__ import annotations
+
+import torch
+
+from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, AdapterVersion
+from loom.lora.lora_pool import LoraPool
+from loom.lora.model_spec import LoraModelSpec
+
+
+class RowResidency:
+    """The pools of both row spaces and the set of live versions (the registry adds them; they are freed here)."""
+
+    def __init__(self, config, spec: LoraModelSpec, model: torch.nn.Module | None, device: torch.device,
+                 dtype: torch.dtype):
+        self.config = config
+        self.max_host_adapters = int(config.max_host_adapters)
+        pools = []
+        for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
+            sub = spec.space(expert=space == EXPERT)
+            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype, device),
+                                  device, dtype))
+            if model is not None:
+                pools[-1].attach(model)
+        self.pools: tuple[LoraPool, LoraPool] = tuple(pools)
+        self.versions: set[AdapterVersion] = set()
+        self.evictions = [0, 0]  # per space
+        self.compactions = [0, 0]
+
+    def room_error(self, name: str, ranks: list[int]) -> str | None:
+        """Why rows of these ranks can never fit their spaces, naming the config field to raise; None if they can."""
+        for space, (pool, r) in enumerate(zip(self.pools, ranks)):
+            if r <= pool.capacity:
+                continue
+            field_name, row = SPACE_FIELDS[space], pool.row_bytes
+            what = "MoE expert LoRA" if space == EXPERT else "LoRA on attention / dense MLP layers"
+            if pool.capacity == 0:
+                return (f"adapter {name!r} needs {r} rank rows of {what}, which is disabled: {field_name}="
+                        f"{getattr(self.config, field_name)} holds no rank row of this model ({row} bytes each); set "
+                        f"{field_name} to at least {r * row} ({r} x {row}) to serve it")
+            return (f"adapter {name!r}: rank {r} does not fit the device LoRA pool for {what} ({pool.capacity} rank "
+                    f"rows of {row} bytes); raise {field_name} to at least {r * row}")
+        return None
+
+    def place(self, v: AdapterVersion) -> bool:
+        """Give v rows in every space it targets and lacks them, written from its host weights. False if a space has
+        no room now: rows taken in the other space stay cached (evictable, not pinned)."""
+        for space, pool in enumerate(self.pools):
+            if v.ranks[space] and v.rows[space] < 0:
+                start = self._alloc_rows(space, v.ranks[space])
+                if start is None:
+                    return False
+                pool.write(start, v.host)
+                v.rows[space] = start
+        return True
+
+    def maybe_free(self, v: AdapterVersion) -> None:
+        """Free a stale version nobody holds (rows + host weights)."""
+        if v.stale and v.refcount == 0 and not v.loading and v in self.versions:
+            for space, pool in enumerate(self.pools):
+                if v.rows[space] >= 0:
+                    pool.allocator.free(v.rows[space], v.ranks[space])
+                    v.rows[space] = -1
+            v.host = None
+            self.versions.discard(v)
+
+    def trim_host(self) -> None:
+        """Keep at most max_host_adapters versions in host memory that are not device-resident; drop the
+        least recently used ones no request holds (they are read from disk again on next use)."""
+        held = [v for v in self.versions if v.host is not None and not v.resident]
+        over = len(held) - self.max_host_adapters
+        if over <= 0:
+            return
+        for v in sorted((v for v in held if v.refcount == 0 and not v.loading), key=lambda x: x.last_used)[:over]:
+            v.host = None
+            self.maybe_free(v)
+
+    def info(self) -> dict:
+        """Per space: the row keys without a prefix are the dense space's, those with `expert_` the expert space's."""
+        out = {}
+        for space, pool in enumerate(self.pools):
+            pre = "expert_" if space == EXPERT else ""
+            out.update({
+                f"{pre}capacity_rows": pool.capacity,
+                f"{pre}free_rows": pool.allocator.num_free,
+                f"{pre}pool_bytes": pool.nbytes,
+                f"{pre}row_bytes": pool.row_bytes,
+                f"{pre}holders": sum(1 for v in self.versions if v.rows[space] >= 0),  # versions with rows here
+                f"{pre}evictions": self.evictions[space],
+                f"{pre}compactions": self.compactions[space],
+            })
+        return out
+
+    def _evict(self, v: AdapterVersion, space: int) -> None:
+        """Drop v's rows in one space (its rows in the other space stay)."""
+        self.pools[space].allocator.free(v.rows[space], v.ranks[space])
+        v.rows[space] = -1
+        self.evictions[space] += 1
+        self.maybe_free(v)
+
+    def _alloc_rows(self, space: int, n: int) -> int | None:
+        """n contiguous rows in one space: first fit, else compaction if enough rows are free, else evict the least
+        recently used unpinned holder of rows in this space and retry."""
+        alloc = self.pools[space].allocator
+        start = alloc.alloc(n)
+        while start is None:
+            if alloc.num_free >= n:
+                self._compact(space)
+                start = alloc.alloc(n)
+                break
+            victims = [x for x in self.versions if x.rows[space] >= 0 and x.active == 0]
+            if not victims:
+                return None
+            self._evict(min(victims, key=lambda x: x.last_used), space)
+            start = alloc.alloc(n)
+        return start
+
+    def _compact(self, space: int) -> None:
+        """Slide the space's row holders to the front of its pools (rows are read per step, so this is safe
+        between steps; meta built afterwards sees the new rows)."""
+        pool, pos = self.pools[space], 0
+        for v in sorted((x for x in self.versions if x.rows[space] >= 0), key=lambda x: x.rows[space]):
+            if v.rows[space] != pos:
+                pool.move(v.rows[space], pos, v.ranks[space])
+                v.rows[space] = pos
+            pos += v.ranks[space]
+        pool.allocator.reset(pos)
+        self.compactions[space] += 1
