@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import bench as hb  # noqa: E402
-from harness.adapter_cost import lora_cost, model_spec, stream_gbps  # noqa: E402
+from harness import bench as hb
+from harness.adapter_cost import lora_cost, model_spec, stream_gbps
 
 
 def parse_args(argv=None):

@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402
-from peer_vllm_client import add_vllm_arguments, best, run_vllm_settings, setting_name  # noqa: E402
 
 import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
 from harness.cpu_meter import CpuMeter  # noqa: E402
+from harness.vllm_peer import add_vllm_arguments, best, run_vllm_settings, setting_name  # noqa: E402
 
 HF_SYSTEMS = ("hf-static", "hf-cb")
 

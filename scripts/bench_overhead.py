@@ -75,14 +75,11 @@ def parse_args(argv=None):
 
 
 def make_tiny_model(path: str, vocab: int, max_pos: int) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The stand-in model: 2 layers of hidden size 64, tied embeddings, transformers' default init (std 0.02)."""
+    from harness.hf_models import make_tiny_llama
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=max_pos,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
-    return path
+    return make_tiny_llama(path, seed=0, vocab=vocab, max_position_embeddings=max_pos, tie_word_embeddings=True,
+                           initializer_range=0.02)
 
 
 def max_new_tokens(num_seqs: int, args) -> int:

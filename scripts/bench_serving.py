@@ -37,24 +37,19 @@ import argparse
 import json
 import os
 import queue
-import random
-import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import harness.bench as bc  # noqa: E402  (CPU tuning before torch)
+from harness.aiperf import AIPERF_VERSION, aiperf_metric, run_aiperf
+from harness.model_repo import copy_model, read_parameters
+from harness.serving_load import Req, Result, arrival_times, make_workload, paired_rounds, round_line, summarize_run
 
 MODEL_NAME = "loom_smollm2"
-AIPERF_VERSION = "0.13.0"
-AIPERF_VENV = bc.REPO_ROOT / ".cache" / "aiperf-venv"
 
 
 def parse_args(argv=None):
@@ -105,94 +100,6 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
-
-
-# ---- workload ------------------------------------------------------------------------------------
-
-@dataclass
-class Req:
-    text: str
-    prompt_len: int
-    max_tokens: int
-    lora: str | None = None
-
-
-def draw_len(rng: random.Random, mean: int, r: float) -> int:
-    if r <= 0:
-        return max(1, mean)
-    return max(1, rng.randint(int(mean * (1 - r)), int(mean * (1 + r))))
-
-
-def make_workload(tok, n: int, isl: int, isl_r: float, osl: int, osl_r: float, seed: int) -> list[Req]:
-    """Prompts are token slices of the ordinary sentences, decoded to text (the server re-encodes them)."""
-    rng = random.Random(seed)
-    corpus = tok.encode(" ".join(bc.PROMPTS), add_special_tokens=False)
-    reqs = []
-    for _ in range(n):
-        want = draw_len(rng, isl, isl_r)
-        start = rng.randrange(len(corpus))
-        ids = [corpus[(start + k) % len(corpus)] for k in range(want)]
-        text = tok.decode(ids).strip() or "Hello"
-        reqs.append(Req(text, len(tok.encode(text, add_special_tokens=False)), draw_len(rng, osl, osl_r)))
-    return reqs
-
-
-@dataclass
-class Result:
-    idx: int
-    t_send: float = 0.0
-    round: int = 0  # which round of a --rounds run (the run's duration sums the rounds' spans)
-    chunks: list = field(default_factory=list)  # (time, tokens in the chunk)
-    t_end: float = 0.0
-    error: str | None = None
-    # TTFT waterfall (time.monotonic(), comparable with the server's): send, first token received, and the
-    # server's (or the in-process engine's) stage timestamps
-    t_send_mono: float = 0.0
-    t_first_mono: float = 0.0
-    stages: dict | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.chunks)
-
-    @property
-    def ttft(self) -> float | None:
-        """Seconds from send to the first chunk (None: no chunk came)."""
-        return self.chunks[0][0] - self.t_send if self.chunks else None
-
-
-def summarize_run(results: list[Result], reqs: list[Req]) -> dict:
-    ok = [r for r in results if r.error is None and r.chunks]
-    ttft = [r.ttft for r in ok]
-    e2e = [r.t_end - r.t_send for r in ok]
-    itl = [(r.t_end - r.t_send - r.ttft) / (r.num_tokens - 1) for r in ok if r.num_tokens > 1]
-    tokens = sum(r.num_tokens for r in ok)
-    spans: dict[int, tuple[float, float]] = {}
-    for r in results:
-        a, b = spans.get(r.round, (r.t_send, r.t_end))
-        spans[r.round] = (min(a, r.t_send), max(b, r.t_end))
-    dur = max(sum(b - a for a, b in spans.values()), 1e-9)
-    short = sum(1 for r in ok if r.num_tokens != reqs[r.idx].max_tokens)
-    errors = [r.error for r in results if r.error is not None]
-    return {"requests": len(results), "ok": len(ok), "errors": len(errors),
-            "first_error": errors[0] if errors else None,
-            "wrong_token_count": short, "output_tokens": tokens, "duration_s": dur, "output_tok_s": tokens / dur,
-            "req_s": len(ok) / dur, "ttft_s": bc.summarize(ttft), "itl_s": bc.summarize(itl),
-            "e2e_s": bc.summarize(e2e),
-            "per_request": [{"ttft": r.ttft, "e2e": r.t_end - r.t_send,
-                             "tokens": r.num_tokens, "error": r.error} for r in results]}
-
-
-def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
-    """Seconds after the start: all 0 (concurrency mode) or a Poisson process of `rate` per second."""
-    if not rate:
-        return [0.0] * n
-    rng = random.Random(seed + 7)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 # ---- Triton gRPC load generator --------------------------------------------------------------------
@@ -392,40 +299,7 @@ class OfflineRunner:
         return results
 
 
-# ---- server, config, adapters ----------------------------------------------------------------------
-
-_PARAM_RE = re.compile(r'\{\s*key:\s*"([^"]+)"\s*,\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
-
-
-def read_parameters(config_text: str) -> dict[str, str]:
-    return dict(_PARAM_RE.findall(config_text))
-
-
-def set_parameters(config_text: str, updates: dict[str, str]) -> str:
-    text = config_text
-    for key, val in updates.items():
-        pat = re.compile(r'(\{\s*key:\s*"' + re.escape(key) + r'"\s*,\s*value:\s*\{\s*string_value:\s*")[^"]*(")')
-        if pat.search(text):
-            text = pat.sub(lambda m: m.group(1) + val + m.group(2), text)
-        else:
-            entry = f'  {{ key: "{key}", value: {{ string_value: "{val}" }} }}'
-            text, k = re.subn(r"parameters\s*\[", lambda m: "parameters [\n" + entry + ",", text, count=1)
-            if not k:
-                text += f"\nparameters [\n{entry}\n]\n"
-    return text
-
-
-def prepare_repository(src_repo: Path, model: str, dest: Path, overrides: dict[str, str]) -> tuple[Path, dict]:
-    """Copy the model folder to dest/<model> with parameters overridden; return (repo, its parameters)."""
-    src = src_repo / model
-    if not (src / "config.pbtxt").is_file():
-        raise FileNotFoundError(f"{src}/config.pbtxt does not exist")
-    shutil.copytree(src, dest / model)
-    cfg = dest / model / "config.pbtxt"
-    text = set_parameters(cfg.read_text(), overrides)
-    cfg.write_text(text)
-    return dest, read_parameters(text)
-
+# ---- the engine configuration of the served model ----------------------------------------------------------
 
 def engine_config_from(params: dict[str, str], model_dir: Path):
     from loom.serving.serve_config import parse_model_parameters
@@ -434,39 +308,6 @@ def engine_config_from(params: dict[str, str], model_dir: Path):
     if not cfg.engine.model:
         cfg.engine.model = bc.default_model_dir()
     return cfg.engine
-
-
-def make_adapters(model_dir: str, root: Path, n: int, rank: int, seed: int = 0) -> list[str]:
-    """Tiny random PEFT LoRA adapters (q_proj, v_proj; B non-zero so they change the output)."""
-    import torch
-    from safetensors.torch import save_file
-
-    with open(Path(model_dir) / "config.json") as f:
-        cfg = json.load(f)
-    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    shapes = {"q_proj": (hidden, cfg["num_attention_heads"] * head_dim),
-              "v_proj": (hidden, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim)}
-    names = []
-    for a in range(n):
-        name = f"bench-lora-{a:03d}"
-        out = root / name
-        out.mkdir(parents=True, exist_ok=True)
-        g = torch.Generator().manual_seed(seed * 100003 + a)
-        tensors = {}
-        for layer in range(layers):
-            for proj, (in_f, out_f) in shapes.items():
-                pre = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-                tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f ** 0.5
-                tensors[f"{pre}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.5 / rank ** 0.5
-        save_file(tensors, str(out / "adapter_model.safetensors"))
-        conf = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes),
-                "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None,
-                "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {}, "task_type": "CAUSAL_LM",
-                "base_model_name_or_path": str(model_dir)}
-        (out / "adapter_config.json").write_text(json.dumps(conf))
-        names.append(name)
-    return names
 
 
 # ---- reporting ------------------------------------------------------------------------------------
@@ -491,138 +332,6 @@ def ratio_row(label: str, a: dict, b: dict) -> list:
 
 
 RATIO_HEADERS = ["", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99"]
-
-
-def alternating(rounds: int, runners: dict[str, Callable[[int], list[Result]] | None]) -> dict[str, list[list[Result]]]:
-    """Run every system (None: not run) `rounds` times, the first to go rotating from round to round, so a slow
-    stretch of the machine falls on both; -> each system's results per round (Result.round set)."""
-    names = [n for n, run in runners.items() if run is not None]
-    out: dict[str, list[list[Result]]] = {n: [] for n in names}
-    for k in range(rounds):
-        for name in names[k % len(names):] + names[:k % len(names)]:
-            res = runners[name](k)
-            for r in res:
-                r.round = k
-            out[name].append(res)
-    return out
-
-
-def paired_ttft_added(tri: list[list[Result]], off: list[list[Result]]) -> list[float]:
-    """Each request's TTFT through Triton minus the same request's in-process in the same round (ms): the request's
-    own prefill time, which varies far more from one prompt to the next than the serving path adds, cancels out."""
-    out = []
-    for a, b in zip(tri, off):
-        theirs = {r.idx: r for r in b if r.error is None and r.chunks}
-        for r in a:
-            o = theirs.get(r.idx)
-            if o is not None and r.error is None and r.chunks:
-                out.append((r.ttft - o.ttft) * 1e3)
-    return out
-
-
-def round_ratios(tri: list[list[Result]], off: list[list[Result]], reqs: list[Req]) -> dict:
-    """Per round, Triton against in-process: tokens/s ratio and TTFT p50 added (ms); their medians; and the median
-    over all requests of paired_ttft_added()."""
-    tok, added = [], []
-    for a, b in zip(tri, off):
-        sa, sb = summarize_run(a, reqs), summarize_run(b, reqs)
-        tok.append(bc.ratio(sa["output_tok_s"], sb["output_tok_s"]))
-        added.append((sa["ttft_s"]["p50"] - sb["ttft_s"]["p50"]) * 1e3)
-    pairs = paired_ttft_added(tri, off)
-    return {"tok_s_ratio": tok, "ttft_p50_added_ms": added, "tok_s_ratio_median": statistics.median(tok),
-            "ttft_p50_added_ms_median": statistics.median(added), "ttft_pairs": len(pairs),
-            "ttft_added_paired_ms_median": statistics.median(pairs) if pairs else float("nan")}
-
-
-def paired_rounds(rounds: int, triton: Callable[[int], list[Result]],
-                  in_process: Callable[[int], list[Result]] | None, reqs: list[Req]):
-    """alternating() for Triton and in-process (None: Triton alone) -> each side's results of every round in one
-    list (None for a side not run) and, with the in-process side, round_ratios() (else None)."""
-    got = alternating(rounds, {"triton": triton, "offline": in_process})
-    flat = {name: [r for rnd in res for r in rnd] for name, res in got.items()}
-    per_round = round_ratios(got["triton"], got["offline"], reqs) if in_process is not None else None
-    return flat["triton"], flat.get("offline"), per_round
-
-
-def round_line(label: str, rr: dict) -> str:
-    return (f"{label}: per round ({len(rr['tok_s_ratio'])}, order alternating) tok/s triton / in-process "
-            f"{', '.join(f'{x:.2f}' for x in rr['tok_s_ratio'])} (median {rr['tok_s_ratio_median']:.2f}); "
-            f"TTFT p50 added {', '.join(f'{x:+.1f}' for x in rr['ttft_p50_added_ms'])} ms "
-            f"(median {rr['ttft_p50_added_ms_median']:+.1f}); TTFT added request by request (same request, same "
-            f"round) median {rr['ttft_added_paired_ms_median']:+.1f} ms over {rr['ttft_pairs']} pairs")
-
-
-# ---- aiperf --------------------------------------------------------------------------------------
-
-def ensure_aiperf() -> Path:
-    exe = AIPERF_VENV / "bin" / "aiperf"
-    if exe.is_file():
-        return exe
-    bc.progress(f"aiperf: installing aiperf=={AIPERF_VERSION} into {AIPERF_VENV} (once; about 1.2 GB)")
-    AIPERF_VENV.parent.mkdir(parents=True, exist_ok=True)
-    base_python = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
-    subprocess.run([base_python, "-m", "venv", str(AIPERF_VENV)], check=True)
-    subprocess.run([str(AIPERF_VENV / "bin" / "pip"), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
-    if not exe.is_file():
-        raise RuntimeError(f"aiperf was installed but {exe} is missing")
-    return exe
-
-
-AIPERF_TEMPLATE = """{
-  "text_input": {{ text|tojson }},
-  "stream": true,
-  "exclude_input_in_output": true,
-  "sampling_parameters": {{ {"max_tokens": max_tokens, "ignore_eos": true, "temperature": 0}|tojson|tojson }}
-}
-"""
-
-
-def run_aiperf(http_url: str, model: str, tokenizer_dir: str, args, workdir: Path) -> dict:
-    exe = ensure_aiperf()
-    template = workdir / "payload_template.jinja"
-    template.write_text(AIPERF_TEMPLATE)
-    artifacts = workdir / "aiperf-artifacts"
-    cmd = [str(exe), "profile", "-m", model, "--endpoint-type", "template", "--url", f"http://{http_url}",
-           "--endpoint", f"/v2/models/{model}/generate_stream", "--streaming",
-           "--extra-inputs", f"payload_template:{template}", "--extra-inputs", "response_field:text_output",
-           "--tokenizer", tokenizer_dir, "--isl", str(args.aiperf_isl), "--isl-stddev", "0",
-           "--osl", str(args.aiperf_osl), "--osl-stddev", "0", "--concurrency", str(args.aiperf_concurrency),
-           "--request-count", str(args.aiperf_requests), "--warmup-request-count", "2",
-           "--num-dataset-entries", "20", "--random-seed", str(args.seed + 1), "--ui", "simple",
-           "--artifact-dir", str(artifacts)]
-    env = dict(os.environ)
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # a local folder is refused as a repo id when offline
-        env.pop(k, None)
-    tmp = workdir / "aiperf-tmp"
-    tmp.mkdir(exist_ok=True)
-    env["TMPDIR"] = str(tmp)
-    env["AIPERF_DATASET_MMAP_BASE_PATH"] = str(tmp)
-    bc.progress("aiperf: " + " ".join(cmd))
-    proc = subprocess.run(cmd, env=env, cwd=str(workdir), capture_output=True, text=True, timeout=3600)
-    out = proc.stdout + proc.stderr
-    (workdir / "aiperf.log").write_text(out)
-    if proc.returncode != 0:
-        raise RuntimeError(f"aiperf exited with {proc.returncode}:\n{out[-3000:]}")
-    exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
-    data = json.loads(exports[-1].read_text()) if exports else {}
-    # its console table: the box-drawn lines
-    table_lines, inside = [], False
-    for ln in proc.stdout.splitlines():
-        inside = inside or ln.lstrip().startswith("┏")
-        if inside:
-            table_lines.append(ln)
-            if ln.lstrip().startswith("└"):
-                break
-    return {"command": cmd, "console_table": "\n".join(table_lines), "export": data,
-            "export_path": str(exports[-1]) if exports else None}
-
-
-def aiperf_metric(export: dict, name: str, stat: str):
-    m = export.get(name)
-    if isinstance(m, dict):
-        v = m.get(stat)
-        return float(v) if isinstance(v, (int, float)) else None
-    return None
 
 
 # ---- TTFT waterfall --------------------------------------------------------------------------------
@@ -754,13 +463,18 @@ def main(argv=None) -> int:
             adapter_root = work / "adapters"
             adapter_root.mkdir()
             if "lora" in modes:
+                from harness.lora import make_bench_adapters
+
                 bc.progress(f"making {args.num_adapters} random rank-{args.adapter_rank} adapters in {adapter_root}")
-                adapter_names = make_adapters(model_dir, adapter_root, args.num_adapters, args.adapter_rank, args.seed)
+                adapter_names = make_bench_adapters(model_dir, adapter_root, args.num_adapters, args.adapter_rank,
+                                                    args.seed)
         overrides = {"adapter_roots": str(adapter_root)}
         for kv in args.set:
             k, _, v = kv.partition("=")
             overrides[k.strip()] = v.strip()
-        repo, params = prepare_repository(Path(args.model_repository), args.model, work / "model_repository", overrides)
+        repo = work / "model_repository"  # a copy of the model folder, its adapters included
+        served = copy_model(repo, overrides, src_repo=Path(args.model_repository), model=args.model, keep_adapters=True)
+        params = read_parameters((served / "config.pbtxt").read_text())
         data["server_parameters"] = params
         url, http_url = args.url, args.http_url
         if url is None:

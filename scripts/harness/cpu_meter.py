@@ -1,6 +1,6 @@
 """CPU time spent by this process tree and by everything else on the machine during a timed part (Linux /proc).
 
-Stdlib only: scripts/vllm_peer.py imports it from inside the vLLM venv too.
+Stdlib only: harness/vllm_peer.py imports it from inside the vLLM venv too.
 
     with CpuMeter() as m:
         ...timed work...

@@ -97,6 +97,29 @@ def make_hf_model(arch: str, tmp_path, tie: bool = False, bias_std: float = 0.0,
     return model, path
 
 
+def tiny_llama_config(vocab=256, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, **overrides):
+    """The config of the tiny Llama of the LoRA tests, the reliability tests' tiny engine and the host-overhead
+    benchmark: weights N(0, 0.2) (initializer_range), untied embeddings; `overrides` are further LlamaConfig fields
+    (vocab_size, max_position_embeddings, tie_word_embeddings, ...)."""
+    from transformers import LlamaConfig
+
+    fields = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=256, initializer_range=0.2,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaConfig(**(fields | overrides))
+
+
+def make_tiny_llama(path: str, seed: int = 0, **kw) -> str:
+    """tiny_llama_config(**kw) with the weights transformers draws after torch.manual_seed(seed), saved as
+    safetensors under `path` (no tokenizer) -> path."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**kw)).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         dev = model.device

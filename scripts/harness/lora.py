@@ -1,4 +1,8 @@
-"""Tiny random Llama models and PEFT adapters for the LoRA tests, and an HF-based mixed-batch LoRA forward.
+"""PEFT adapters for the LoRA tests and benchmarks, and an HF-based mixed-batch LoRA forward.
+
+The tiny random Llama they are made for is harness.hf_models.make_tiny_llama (re-exported here). An adapter is
+either made by PEFT on the model (`make_peft_adapter`) or written directly (`write_raw_adapter`: fast, for many
+adapters, benchmarks and malformed cases).
 
 `MixedLoraHF` runs a transformers LlamaForCausalLM whose q/k/v/o/gate/up/down projections get the
 multi-LoRA delta from the registry's pools through the real kernels (`kernels.lora_shrink/expand`),
@@ -8,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import types
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from harness.hf_models import make_tiny_llama, tiny_llama_config  # noqa: F401  (the LoRA tests' tiny Llama)
 from loom.lora import LoraModelSpec, build_lora_meta
 
 PROJ_GROUP = {
@@ -21,24 +28,6 @@ PROJ_GROUP = {
     "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", 0),
 }
-
-
-def tiny_llama_config(vocab=256, layers=2, hidden=64, inter=128, heads=4, kv_heads=2):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                       max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
-                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def make_tiny_llama(path: str, seed: int = 0, **kw) -> str:
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**kw)).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def load_hf(model_dir: str):
@@ -57,12 +46,17 @@ def make_peft_adapter(model_dir: str, out_dir: str, seed: int, r: int = 4, alpha
 
 
 def write_raw_adapter(out_dir: str, cfg, seed: int, r: int, alpha: float, target_modules, dtype=torch.float32,
-                      extra_config: dict | None = None, extra_tensors: dict | None = None, scale: float = 1.0) -> str:
-    """Write a PEFT-format adapter directly (fast; for many adapters and malformed cases)."""
+                      extra_config: dict | None = None, extra_tensors: dict | None = None, scale: float = 1.0,
+                      b_scale: float | None = None) -> str:
+    """Write a PEFT-format adapter directly (fast; for many adapters and malformed cases): every layer of `cfg` (a
+    transformers config, or any object with its attributes), A ~ N(0, scale^2 / in_features) and
+    B ~ N(0, b_scale^2 / r) (b_scale: scale when None), drawn layer by layer, projection by projection, from
+    one generator seeded with `seed`."""
     from safetensors.torch import save_file
 
     spec = LoraModelSpec.from_hf_config(cfg)
     g = torch.Generator().manual_seed(seed)
+    b_scale = scale if b_scale is None else b_scale
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for proj in target_modules:
@@ -70,7 +64,7 @@ def write_raw_adapter(out_dir: str, cfg, seed: int, r: int, alpha: float, target
             in_f, out_f = spec.proj_shape(proj)
             pre = f"base_model.model.model.layers.{layer}.{block}.{proj}"
             tensors[f"{pre}.lora_A.weight"] = (torch.randn(r, in_f, generator=g) * scale / in_f ** 0.5).to(dtype)
-            tensors[f"{pre}.lora_B.weight"] = (torch.randn(out_f, r, generator=g) * scale / r ** 0.5).to(dtype)
+            tensors[f"{pre}.lora_B.weight"] = (torch.randn(out_f, r, generator=g) * b_scale / r ** 0.5).to(dtype)
     tensors.update(extra_tensors or {})
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
@@ -81,6 +75,18 @@ def write_raw_adapter(out_dir: str, cfg, seed: int, r: int, alpha: float, target
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(conf, f)
     return out_dir
+
+
+def make_bench_adapters(model_dir: str, root: Path, n: int, rank: int, seed: int = 0) -> list[str]:
+    """`n` random rank-`rank` adapters of the model on q_proj and v_proj, root/bench-lora-000 ... (B non-zero, so
+    they change the output; adapter a drawn from seed * 100003 + a) -> their names (scripts/bench_serving.py)."""
+    cfg = types.SimpleNamespace(**json.loads((Path(model_dir) / "config.json").read_text()))
+    names = [f"bench-lora-{a:03d}" for a in range(n)]
+    for a, name in enumerate(names):
+        write_raw_adapter(str(Path(root) / name), cfg, seed=seed * 100003 + a, r=rank, alpha=2 * rank,
+                          target_modules=("q_proj", "v_proj"), b_scale=0.5,
+                          extra_config={"base_model_name_or_path": str(model_dir)})
+    return names
 
 
 class _Holder(nn.Module):

@@ -16,8 +16,6 @@ server (tests/reliability) still loads the shipped config through auto_complete_
 from __future__ import annotations
 
 import queue
-import re
-import shutil
 import time
 from pathlib import Path
 
@@ -25,10 +23,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from harness import triton_client
+from harness.model_repo import copy_model
 from harness.triton_client import make_inputs, metric  # noqa: F401  (re-exported to the tests)
 from harness.tritonserver import LocalTritonServer, build_backend_dir
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = "loom_smollm2"
 COMPAT, FAULTY = "loom_compat", "loom_faulty"
 MAX_NUM_SEQS = 4  # loom_compat
@@ -92,36 +90,15 @@ def adapter_root(tmp_path_factory, model_dir) -> Path:
     return root
 
 
-def _with_params(text: str, params: dict[str, str]) -> str:
-    for key, value in params.items():
-        pat = rf'(\{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
-        if re.search(pat, text):
-            text = re.sub(pat, rf'\1"{value}"', text)
-        else:
-            text = text.replace("parameters [\n", f'parameters [\n  {{ key: "{key}", value: {{ string_value: '
-                                                  f'"{value}" }} }},\n', 1)
-        assert f'"{key}", value: {{ string_value: "{value}"' in text, key
-    return text
-
-
-def _model(repo: Path, name: str, backend: str, params: dict[str, str]) -> Path:
-    """A copy of the shipped model folder (without its demo adapters) as `name`, served by `backend`."""
-    shutil.copytree(REPO / "model_repository" / MODEL, repo / name, ignore=shutil.ignore_patterns("adapters"))
-    cfg = repo / name / "config.pbtxt"
-    text = cfg.read_text().replace(f'name: "{MODEL}"', f'name: "{name}"')
-    text = text.replace('backend: "loom"', f'backend: "{backend}"')
-    cfg.write_text(_with_params(text, params))
-    return repo / name
-
-
 @pytest.fixture(scope="session")
 def repo_dir(tmp_path_factory, adapter_root) -> Path:
     repo = tmp_path_factory.mktemp("model_repository")
-    _model(repo, MODEL, "loom", {"adapter_roots": str(adapter_root)})
-    _model(repo, COMPAT, "loom", {"adapter_roots": str(adapter_root), "max_num_seqs": str(MAX_NUM_SEQS),
-                                  "kv_cache_memory_bytes": "64MiB", "REPORT_CUSTOM_METRICS": "true"})
-    _model(repo, FAULTY, "loom_faulty", {"adapter_roots": "", "kv_cache_memory_bytes": "16MiB", "metrics": "false",
-                                         "ENABLE_VLLM_HEALTH_CHECK": "true", "max_failed_steps": "0"})
+    # copies of the shipped model folder, without its demo adapters
+    copy_model(repo, {"adapter_roots": str(adapter_root)}, name=MODEL)
+    copy_model(repo, {"adapter_roots": str(adapter_root), "max_num_seqs": str(MAX_NUM_SEQS),
+                      "kv_cache_memory_bytes": "64MiB", "REPORT_CUSTOM_METRICS": "true"}, name=COMPAT)
+    copy_model(repo, {"adapter_roots": "", "kv_cache_memory_bytes": "16MiB", "metrics": "false",
+                      "ENABLE_VLLM_HEALTH_CHECK": "true", "max_failed_steps": "0"}, name=FAULTY, backend="loom_faulty")
     return repo
 
 

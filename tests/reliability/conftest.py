@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from harness.model_repo import copy_model
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "loom_smollm2"
@@ -80,24 +81,9 @@ def adapter_root(tmp_path_factory, outside_dir) -> Path:
     return root
 
 
-def _set_param(text: str, key: str, value: str) -> str:
-    pat = rf'(\{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
-    if re.search(pat, text):
-        return re.sub(pat, rf'\1"{value}"', text)
-    return re.sub(r"parameters \[\n", f'parameters [\n  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n',
-                  text, count=1)
-
-
 def write_model(repo: Path, name: str, params: dict[str, str]) -> Path:
     """A copy of the shipped loom_smollm2 model folder as `name`, with `params` set in its config.pbtxt."""
-    shutil.copytree(REPO / "model_repository" / MODEL, repo / name, ignore=shutil.ignore_patterns("adapters"))
-    cfg = repo / name / "config.pbtxt"
-    text = cfg.read_text().replace(f'name: "{MODEL}"', f'name: "{name}"')
-    for k, v in params.items():
-        text = _set_param(text, k, v)
-        assert f'"{k}", value: {{ string_value: "{v}"' in text, k
-    cfg.write_text(text)
-    return repo / name
+    return copy_model(repo, params, name=name)
 
 
 @pytest.fixture(scope="session")
@@ -212,15 +198,10 @@ def wait_for(cond, timeout=20.0, interval=0.1):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, model_dir) -> str:
     """A 2-layer random Llama with SmolLM2's vocabulary and tokenizer (fast, and text in/out works)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from harness.hf_models import make_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, initializer_range=0.2,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path, safe_serialization=True)
+    make_tiny_llama(str(path), seed=0, vocab=49152, max_position_embeddings=512, pad_token_id=2)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (Path(model_dir) / f).is_file():
             shutil.copy(Path(model_dir) / f, path / f)

@@ -6,7 +6,7 @@ import time
 
 
 def test_soak_200_streams_cancellation_storm_and_adapter_churn(server, offline, adapter_root, model_dir):
-    from soak import SoakConfig, format_report, offline_references, run_soak
+    from harness.soak import SoakConfig, format_report, offline_references, run_soak
 
     adapters = ("pirate", "robot")
     max_tokens = 8

@@ -140,7 +140,7 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     loom's best against vLLM's best; token agreement covers every loom row."""
     import argparse
 
-    import bench_lora as bl
+    import harness.lora_report as bl
 
     def res(none, one, dis, tokens=((1, 2), (3, 4))):
         cpu = {"other_cpu_s": 0.0}
@@ -194,7 +194,7 @@ def test_vllm_peer_runs_where_this_repository_is_not_importable(tmp_path, monkey
     this repository's top-level kernels/ as a `kernels` package (transformers imports an installed `kernels` if it
     finds one; from the repository's root vLLM then refused every model). A stand-in peer reports where its own
     helper process finds `kernels`."""
-    import peer_vllm_client as pvc
+    import harness.vllm_peer as pvc
 
     fake = tmp_path / "fake_peer.py"
     fake.write_text(
@@ -234,21 +234,22 @@ def test_bench_lora_floor_smoke(tmp_path):
 # ---- bench_serving: pieces that need no server -----------------------------------------------------
 
 def test_serving_config_rewrite():
-    import bench_serving as bs
+    import harness.model_repo as mr
 
     text = (ROOT / "model_repository" / "loom_smollm2" / "config.pbtxt").read_text()
-    params = bs.read_parameters(text)
+    params = mr.read_parameters(text)
     assert "adapter_roots" in params and "max_num_seqs" in params
-    new = bs.set_parameters(text, {"adapter_roots": "/tmp/x", "max_num_seqs": "8", "brand_new": "1"})
-    p2 = bs.read_parameters(new)
+    new = mr.set_parameters(text, {"adapter_roots": "/tmp/x", "max_num_seqs": "8", "brand_new": "1"})
+    p2 = mr.read_parameters(new)
     assert p2["adapter_roots"] == "/tmp/x" and p2["max_num_seqs"] == "8" and p2["brand_new"] == "1"
     assert {k: v for k, v in p2.items() if k not in ("adapter_roots", "max_num_seqs", "brand_new")} == \
            {k: v for k, v in params.items() if k not in ("adapter_roots", "max_num_seqs")}
 
 
 def test_serving_workload_and_arrivals():
-    import bench_serving as bs
     from transformers import AutoTokenizer
+
+    import harness.serving_load as bs
 
     tok = AutoTokenizer.from_pretrained(bc.default_model_dir())
     reqs = bs.make_workload(tok, 20, 32, 0.5, 16, 0.25, seed=1)
@@ -264,7 +265,7 @@ def test_serving_workload_and_arrivals():
 
 
 def test_serving_summary():
-    import bench_serving as bs
+    import harness.serving_load as bs
 
     reqs = [bs.Req("a", 1, 3), bs.Req("b", 1, 2)]
     r0 = bs.Result(0, t_send=0.0, chunks=[(0.5, 1), (0.7, 2)], t_end=0.7)
@@ -282,7 +283,7 @@ def test_serving_summary():
 
 
 def test_serving_rounds_alternate_and_compare_per_round():
-    import bench_serving as bs
+    import harness.serving_load as bs
 
     calls = []
 
@@ -304,7 +305,7 @@ def test_serving_rounds_alternate_and_compare_per_round():
 def test_ttft_added_is_paired_request_by_request():
     """The TTFT a server adds is taken per request against the same request in-process in the same round, so the
     spread of prefill times between prompts does not enter it; failed or missing requests make no pair."""
-    import bench_serving as bs
+    import harness.serving_load as bs
 
     def res(idx, ttft, error=None):
         return bs.Result(idx, t_send=10.0, chunks=[] if error else [(10.0 + ttft, 1)], t_end=11.0, error=error)
@@ -319,23 +320,23 @@ def test_ttft_added_is_paired_request_by_request():
 
 
 def test_aiperf_payload_template_renders_vllm_tensors():
-    import bench_serving as bs
     import jinja2
 
+    from harness.aiperf import AIPERF_TEMPLATE
+
     env = jinja2.Environment()
-    body = json.loads(env.from_string(bs.AIPERF_TEMPLATE).render(text='say "hi"\n', max_tokens=32))
+    body = json.loads(env.from_string(AIPERF_TEMPLATE).render(text='say "hi"\n', max_tokens=32))
     assert body["text_input"] == 'say "hi"\n' and body["stream"] is True and body["exclude_input_in_output"] is True
     assert json.loads(body["sampling_parameters"]) == {"max_tokens": 32, "ignore_eos": True, "temperature": 0}
 
 
 def test_make_adapters_loads_in_the_engine(tmp_path):
-    import bench_serving as bs
-
+    from harness.lora import make_bench_adapters
     from loom.engine.llm import LLM
     from loom.engine.sampling_params import SamplingParams
 
     model_dir = bc.default_model_dir()
-    names = bs.make_adapters(model_dir, tmp_path, 2, rank=8)
+    names = make_bench_adapters(model_dir, tmp_path, 2, rank=8)
     assert names == ["bench-lora-000", "bench-lora-001"]
     llm = LLM(model_dir, adapter_roots=[str(tmp_path)], kv_cache_memory_bytes=64 << 20)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
