@@ -13,6 +13,7 @@ from transformers import AutoConfig
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
+from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize
 from loom.models.spec import ModelSpec
 
 log = logging.getLogger("loom")
@@ -92,21 +93,21 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     params = dict(model.named_parameters(remove_duplicate=False))
     # which leading-dim rows (or [expert, row] pairs) of each parameter the checkpoint has filled
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                target, index = _place(model, params, name)
-                if target is None:
-                    raise ModelLoadError(f"{path}: tensor {name!r} has no place in {cfg.architectures[0]}")
-                tensor = f.get_tensor(name)
-                dst = params[target].data[index]
-                if dst.shape != tensor.shape:
-                    raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                                         f"{tuple(dst.shape)}")
-                dst.copy_(tensor)  # cast on the way (a float32 checkpoint into bf16: per tensor)
-                covered[target][index[:covered[target].dim()]] = True
+    # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError)
+    for path, name, tensor in checkpoint_tensors(files, model.spec.quant, ModelLoadError):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, index = _place(model, params, name)
+        if target is None:
+            raise ModelLoadError(f"{path}: tensor {name!r} has no place in {cfg.architectures[0]}")
+        dst = params[target].data[index]
+        if isinstance(tensor, QuantizedWeight):  # dequantised into the compute dtype, then loaded as any weight
+            tensor = dequantize(tensor, dst.dtype)
+        if dst.shape != tensor.shape:
+            raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
+                                 f"{tuple(dst.shape)}")
+        dst.copy_(tensor)  # cast on the way (a float32 checkpoint into bf16: per tensor)
+        covered[target][index[:covered[target].dim()]] = True
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:

@@ -2,14 +2,15 @@
 
 `ModelSpec.from_hf_config(cfg)` is the one place that interprets config.json. Each field is either
 implemented by loom.models exactly as transformers computes it, or the load is refused with a ConfigError
-naming the field: an unknown rope type, attention variant, activation or a quantization config is never
-approximated.
+naming the field: an unknown rope type, attention variant, activation or quantization format is never
+approximated (loom.models.quant reads the quantization formats loom loads).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from loom.errors import ConfigError
+from loom.models.quant import QuantMethod, parse_quant_config
 
 # rope types loom computes, with the keys each may carry (anything else in rope_parameters is refused)
 _ROPE_KEYS = {
@@ -62,6 +63,7 @@ class ModelSpec:
     layer_ropes: tuple[Rope, ...]
     layer_moe: tuple[bool, ...]  # layer i has a sparse MoE block instead of the dense MLP
     moe: MoeSpec | None
+    quant: QuantMethod | None = None  # the checkpoint's quantization format (weights dequantised at load)
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
@@ -78,11 +80,6 @@ def _get(cfg, name, default=None):
 
 
 def _refuse_common(cfg) -> None:
-    q = getattr(cfg, "quantization_config", None)
-    if q:
-        method = q.get("quant_method", "?") if isinstance(q, dict) else type(q).__name__
-        raise _fail("quantization_config", f"quantized checkpoints ({method}) are not supported: loom loads "
-                    "unquantized float16/bfloat16/float32 weights only")
     if _get(cfg, "pretraining_tp", 1) != 1:
         raise _fail("pretraining_tp", f"{cfg.pretraining_tp} is not supported (only 1)")
     if getattr(cfg, "use_bidirectional_attention", None):
@@ -198,6 +195,7 @@ def _read(cfg) -> ModelSpec:
         else float(cfg.final_logit_softcapping),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         layer_windows=windows, layer_ropes=ropes, layer_moe=layer_moe, moe=moe,
+        quant=parse_quant_config(getattr(cfg, "quantization_config", None)),
     )
 
 
