@@ -149,26 +149,26 @@ def prefill(engine) -> int:
 
 
 def measure(model_dir: str, num_seqs: int, args, path: str) -> dict:
-    import loom.engine.llm_engine as le
+    import harness.simple_sampling as simple
 
     max_tokens = max_new_tokens(num_seqs, args)
-    engine = make_engine(model_dir, num_seqs, args, max_tokens)
+    engine = make_engine(model_dir, num_seqs, args, max_tokens, async_scheduling=False)  # both paths synchronous
     # as the server does once the model is loaded (backend/model.py): the start-up heap is left out of the
     # collector's passes, which otherwise stall a step now and then (tens of ms at 1,024 sequences)
     gc.collect()
     gc.freeze()
     if path == "simple":
-        engine.use_simple_sampling()
+        simple.use_simple_sampling(engine)
     timers = {k: Timer() for k in PHASES}
     engine.runner.run = noop_forward(engine, timers["prepare"].wrap(engine.runner.prepare))
     engine.scheduler.schedule = timers["schedule"].wrap(engine.scheduler.schedule)
     engine.sampler = timers["sampler"].wrap(engine.sampler)
     engine._finish_step = timers["outputs"].wrap(engine._finish_step)
-    orig_build = le.SamplingBatch.build
-    if engine.sampling_state is not None:
-        engine.sampling_state.batch = timers["state"].wrap(engine.sampling_state.batch)
+    orig_build = simple.SamplingBatch.build
+    if path == "simple":
+        simple.SamplingBatch.build = timers["state"].wrap(orig_build)
     else:
-        le.SamplingBatch.build = timers["state"].wrap(orig_build)
+        engine.sampling_state.batch = timers["state"].wrap(engine.sampling_state.batch)
     try:
         add_requests(engine, num_seqs, args, max_tokens)
         steps = prefill(engine)
@@ -184,7 +184,7 @@ def measure(model_dir: str, num_seqs: int, args, path: str) -> dict:
             step_times.append(time.perf_counter() - t)
             assert len(outs) == num_seqs
     finally:
-        le.SamplingBatch.build = orig_build
+        simple.SamplingBatch.build = orig_build
     n = args.steps
     s = bc.summarize(x * 1e6 for x in step_times)
     res = {"num_seqs": num_seqs, "path": path, "steps": n, "prefill_steps": steps,
@@ -285,7 +285,8 @@ def measure_overlap(model_dir: str, num_seqs: int, args) -> dict:
     tokens = {}
     for mode in ("sync", "async"):
         max_tokens = max_new_tokens(num_seqs, args)
-        engine = make_engine(model_dir, num_seqs, args, max_tokens, async_scheduling=(mode == "async"))
+        engine = make_engine(model_dir, num_seqs, args, max_tokens)
+        engine.async_scheduling = mode == "async"  # the config's is CUDA only: the fake device stands in for one
         dev = FakeDevice(args.device_ms / 1e3)
         runner = engine.runner
         table = torch.randn(97, runner.vocab_size, generator=torch.Generator().manual_seed(3))

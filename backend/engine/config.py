@@ -43,9 +43,9 @@ class EngineConfig:
     # Bounds on requests
     max_prompt_tokens: int = 0  # 0 = max_model_len - 1
     seed: int = 0
-    # Schedule and launch step N+1 while step N runs on the device (its outputs come one step later; tokens are
-    # the same). Pays off where the forward is asynchronous (CUDA); on CPU the forward is synchronous.
-    async_scheduling: bool = False
+    # CUDA: schedule and launch step N+1 while step N runs on the device (its outputs come one step later; tokens
+    # are the same). Ignored on CPU (resolve_async_scheduling).
+    async_scheduling: bool = True
     # CPU
     cpu_threads: int = 0  # compute threads; 0 = torch's count, capped at the cores this process may use
     cpu_compile: bool = False  # torch.compile the forward at start (minutes; faster steps)
@@ -108,6 +108,12 @@ class EngineConfig:
         if self.torch_device.type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        """On CUDA only. A CPU forward returns when its work is done, so no device time is left for the next step's
+        host work to hide behind: async would only add the placeholder bookkeeping and deliver every token a step
+        later. (Tests emulate the async path on CPU by setting LLMEngine.async_scheduling themselves.)"""
+        return self.async_scheduling and device.type == "cuda"
 
     def resolve_lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The adapter pools' dtype: the model's, or a 16-bit type under a float32 model (pools are widened to the

@@ -13,8 +13,6 @@ import json
 import logging
 import os
 import random
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,8 +23,15 @@ from loom.engine.cpu import tune_mkl_for_amd
 from loom.engine.faults import is_sticky_device_error
 from loom.engine.logits_processors import build_constraints
 from loom.engine.model_runner import ModelRunner, TokenFill
-from loom.engine.outputs import EngineStats, StepOutput, TokenLogprob
-from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.output_processor import (
+    LaunchedStep,
+    OutputProcessor,
+    add_prompt_logprobs,
+    final_output,
+    prompt_logprob_rows,
+)
+from loom.engine.outputs import EngineStats, StepOutput
+from loom.engine.sampler import Sampler, SamplerOutput
 from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.scheduler import ScheduledBatch, Scheduler
@@ -42,27 +47,6 @@ PLACEHOLDER = -1  # the id of a token a step in flight is still sampling (async 
 def seq_key(request_id: str, index: int) -> str:
     """Key of a sequence in LLMEngine.requests: the request id for completion 0 (so n = 1 is just the id)."""
     return request_id if index == 0 else f"{request_id}#{index}"
-
-
-@dataclass(eq=False)
-class _Launched:
-    """A step whose device work is queued: what waiting for it and making its outputs need."""
-    batch: ScheduledBatch
-    deferred_register: bool  # its computed range held placeholders: prefix-cache registration waits for them
-    seqs: list = field(default_factory=list)  # the sampled sequences, in the logits' order
-    tokens: torch.Tensor | None = None  # [S] sampled ids on the device (the next step's inputs, async)
-    host: torch.Tensor | None = None  # the one host copy: tokens (int64), or tokens + logprobs (float64)
-    event: object = None  # the end of its device work (CUDA), None where it is done already
-    positions: list = field(default_factory=list)  # index of each sequence's new token in its token_ids
-    lp_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows with logprobs computed
-    k: int = 0  # top logprobs per row in `host`
-    nout: np.ndarray | None = None  # output count with this token
-    max_out: np.ndarray | None = None  # output count that ends it by length
-    min_tokens: np.ndarray | None = None
-    ignore_eos: np.ndarray | None = None
-    stop_ids: dict = field(default_factory=dict)  # row -> its stop_token_ids
-    processors: object = None  # ProcessorBatch (grammar matchers accept the tokens)
-    needs_host_tokens: bool = False  # grammar / bad_words rows: the next step samples after this one is done
 
 
 def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
@@ -96,7 +80,7 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        self._eos_array = np.asarray(sorted(self.eos_token_ids), dtype=np.int64)
+        self.output_processor = OutputProcessor(self.eos_token_ids)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         kv_tokens = self.block_manager.capacity_tokens
         if kv_tokens < self.max_model_len:  # vLLM refuses to start here; loom serves, and says what it caps
@@ -109,12 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt)
         self.sampler = Sampler()
-        # Per-request sampling state kept across steps; None = the simple path (SamplingBatch.build from the
-        # sequences' lists every step; kept as the reference the tests compare with, synchronous only).
-        self.sampling_state: SamplingState | None = SamplingState(self.runner.vocab_size, self.runner.device,
-                                                                  self.runner.buffers)
-        self.async_scheduling = bool(getattr(config, "async_scheduling", False))
-        self._inflight: _Launched | None = None  # async scheduling: the step still running on the device
+        self.sampling_state = SamplingState(self.runner.vocab_size, self.runner.device, self.runner.buffers)
+        self.async_scheduling = config.resolve_async_scheduling(self.runner.device)
+        self._inflight: LaunchedStep | None = None  # async scheduling: the step still running on the device
         self._num_adapter_seqs = 0  # unfinished sequences with an adapter (0: no step builds LoRA metadata)
         self._num_plp_seqs = 0  # unfinished sequences asking for prompt logprobs
         # loom.engine.structured_output.GrammarCompiler, made at the first structured request (the serving layer
@@ -233,7 +214,7 @@ class LLMEngine:
             if seq is None:
                 continue
             self._finish(seq, reason)
-            self._finished_outputs.append(self._output(seq, [], None, error=error))
+            self._finished_outputs.append(final_output(seq, error))
 
     @property
     def last_step_request_ids(self) -> list[str]:
@@ -242,13 +223,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._finished_outputs) or self._inflight is not None
-
-    def use_simple_sampling(self) -> None:
-        """Rebuild the sampling tensors from the sequences' lists every step (the reference path; synchronous)."""
-        if self.requests or self._inflight is not None:
-            raise RuntimeError("switch the sampling path before adding requests")
-        self.sampling_state = None
-        self.async_scheduling = False
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is (running, waiting, not forked yet) and release what it holds."""
@@ -263,8 +237,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """The engine's side of finishing: request maps, unforked siblings, sampling row, adapter."""
-        if self.sampling_state is not None:
-            self.sampling_state.release(seq)
+        self.sampling_state.release(seq)
         key = seq_key(seq.request_id, seq.index)
         if self.requests.get(key) is seq:
             del self.requests[key]
@@ -287,12 +260,6 @@ class LLMEngine:
             self._num_adapter_seqs -= 1
             self.adapters.deactivate(seq.adapter)
             self.adapters.release(seq.adapter)
-
-    def _output(self, seq: Sequence, new_ids: list[int], logprobs, error: str | None = None,
-                prompt_logprobs: list | None = None) -> StepOutput:
-        return StepOutput(seq.request_id, new_ids, logprobs, seq.status == SequenceStatus.FINISHED, seq.finish_reason,
-                          seq.num_prompt_tokens, seq.num_cached_tokens,
-                          seq.cumulative_logprob if seq.wants_logprob else None, error, seq.index, prompt_logprobs)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -342,7 +309,7 @@ class LLMEngine:
             if seq.request_id in self._alive:
                 self.abort_request(seq.request_id, reason="error", error=msg)
 
-    def _finish_launched(self, launched: "_Launched") -> list[StepOutput]:
+    def _finish_launched(self, launched: LaunchedStep) -> list[StepOutput]:
         try:
             out = self._finish_step(launched)
             self.failed_steps_in_a_row = 0
@@ -371,12 +338,12 @@ class LLMEngine:
             return None
         return np.asarray(pos, np.int64), np.asarray(src, np.int64), prev.tokens
 
-    def _launch(self, batch: ScheduledBatch) -> "_Launched":
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the step's device work (forward, sampling, the copy of its results to the host); no sync."""
         lora = None
         if self._num_adapter_seqs and any(s.adapter is not None for s in batch.seqs):
             lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
-        plp_rows, plp_targets = self._prompt_logprob_rows(batch) if self._num_plp_seqs else ([], [])
+        plp_rows, plp_targets = prompt_logprob_rows(batch) if self._num_plp_seqs else ([], [])
         fill = self._token_fill(batch)
         extra = {"fill": fill} if fill is not None else {}
         if plp_rows:
@@ -395,9 +362,9 @@ class LLMEngine:
                 if c >= (seq.num_hashed_blocks + 1) * bs:  # a block filled up
                     bm.register_full_blocks(seq)
         if plp_rows:
-            self._add_prompt_logprobs(logits[len(sampled_idx):], plp_rows, plp_targets)
+            add_prompt_logprobs(logits[len(sampled_idx):], plp_rows, plp_targets)
             logits = logits[:len(sampled_idx)]
-        launched = _Launched(batch, deferred)
+        launched = LaunchedStep(batch, deferred)
         if not sampled_idx:
             return launched
         seqs = list(batch.seqs) if len(sampled_idx) == len(batch.seqs) else [batch.seqs[i] for i in sampled_idx]
@@ -413,43 +380,10 @@ class LLMEngine:
                     rows += [i] * len(children)
         if forked:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        S = len(seqs)
-        state = self.sampling_state
-        if state is not None:
-            rows_np = np.fromiter((s.sampling_row for s in seqs), dtype=np.int64, count=S)
-            for i in np.nonzero(rows_np < 0)[0].tolist():
-                rows_np[i] = state.join(seqs[i], self.eos_token_ids)
-            sb, step_rows = state.batch(seqs, rows_np)
-            out = self.sampler(logits, sb)
-            state.after_sample(step_rows, out.token_ids)
-            flags = step_rows.flags
-            launched.nout = state.steps[rows_np]
-            launched.max_out = state.max_out[rows_np]
-            launched.min_tokens = state.min_tokens[rows_np]
-            launched.ignore_eos = (flags & IGNORE_EOS) != 0
-            stop_rows = np.nonzero(flags & STOP_IDS)[0].tolist()
-            launched.stop_ids = {i: state.stop_token_ids[rows_np[i]] for i in stop_rows}
-            lp_pos = np.nonzero(flags & LOGPROBS)[0]
-            launched.needs_host_tokens = bool(np.bitwise_or.reduce(flags) & HOST_TOKENS)
-        else:  # the simple path: everything rebuilt from the sequences' lists
-            sb = SamplingBatch.build(
-                [s.params for s in seqs], [s.seed for s in seqs], [s.prompt_token_ids for s in seqs],
-                [s.output_token_ids for s in seqs], [self._stop_ids(s) for s in seqs], self.runner.vocab_size,
-                logits.device, constraints=[s.constraints for s in seqs], matchers=[s.matcher for s in seqs],
-                want_logprobs=[s.wants_logprob for s in seqs])
-            out = self.sampler(logits, sb)
-            ps = [s.params for s in seqs]
-            launched.nout = np.asarray([s.num_output_tokens + 1 for s in seqs], dtype=np.int64)
-            launched.max_out = np.asarray([min(p.max_tokens, s.max_total_tokens - s.num_prompt_tokens)
-                                           for p, s in zip(ps, seqs)], dtype=np.int64)
-            launched.min_tokens = np.asarray([p.min_tokens for p in ps], dtype=np.int64)
-            launched.ignore_eos = np.asarray([p.ignore_eos for p in ps], dtype=bool)
-            launched.stop_ids = {i: frozenset(p.stop_token_ids) for i, p in enumerate(ps) if p.stop_token_ids}
-            lp_pos = np.asarray([i for i, s in enumerate(seqs) if s.wants_logprob], dtype=np.int64)
-            launched.needs_host_tokens = any(s.matcher is not None or (s.constraints is not None and
-                                                                        s.constraints.bad_words) for s in seqs)
+        launched.seqs = seqs
+        out = self._sample(launched, logits)
         # everything the host needs from the step in one device-to-host copy
-        tok = out.token_ids
+        tok = launched.tokens = out.token_ids
         if out.logprobs is None:
             launched.host = self.runner.buffers.download(tok)
         else:
@@ -459,8 +393,6 @@ class LLMEngine:
                 launched.k = out.topk_ids.shape[1]
             launched.host = self.runner.buffers.download(torch.cat(parts))
         launched.event = self._new_event()
-        launched.seqs, launched.tokens, launched.lp_pos = seqs, tok, lp_pos
-        launched.processors = sb.processors
         if self.async_scheduling:  # a placeholder until the token reaches the host; the next step reads it
             positions = []
             for i, seq in enumerate(seqs):
@@ -476,6 +408,27 @@ class LLMEngine:
                 self.scheduler.running[:] = [s for s in self.scheduler.running if id(s) not in gone]
         return launched
 
+    def _sample(self, launched: LaunchedStep, logits: torch.Tensor) -> SamplerOutput:
+        """Sample the launched step's sequences (a gather from the persistent sampling state) and note in `launched`
+        what making its outputs needs."""
+        seqs, state = launched.seqs, self.sampling_state
+        rows = np.fromiter((s.sampling_row for s in seqs), dtype=np.int64, count=len(seqs))
+        for i in np.nonzero(rows < 0)[0].tolist():
+            rows[i] = state.join(seqs[i], self.eos_token_ids)
+        sb, step_rows = state.batch(seqs, rows)
+        out = self.sampler(logits, sb)
+        state.after_sample(step_rows, out.token_ids)
+        flags = step_rows.flags
+        launched.nout = state.steps[rows]
+        launched.max_out = state.max_out[rows]
+        launched.min_tokens = state.min_tokens[rows]
+        launched.ignore_eos = (flags & IGNORE_EOS) != 0
+        launched.stop_ids = {i: state.stop_token_ids[rows[i]] for i in np.nonzero(flags & STOP_IDS)[0].tolist()}
+        launched.lp_pos = np.nonzero(flags & LOGPROBS)[0]
+        launched.needs_host_tokens = bool(np.bitwise_or.reduce(flags) & HOST_TOKENS)
+        launched.processors = sb.processors
+        return out
+
     def _new_event(self):
         """Marks the end of a step's device work (None on CPU, where the work is done when launch returns)."""
         if self.runner.device.type != "cuda":
@@ -484,99 +437,20 @@ class LLMEngine:
         ev.record()
         return ev
 
-    def _finish_step(self, launched: "_Launched") -> list[StepOutput]:
-        """Wait for a launched step, put its tokens in place, check stops, make the outputs."""
+    def _finish_step(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Wait for a launched step, register the blocks it filled, make its outputs, end the sequences that stop."""
         if launched.deferred_register:
             bm = self.block_manager
             bs = bm.block_size
             for seq in launched.batch.seqs:
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:
                     bm.register_full_blocks(seq)
-        seqs = launched.seqs
-        if not seqs:
+        if not launched.seqs:
             return []
         if launched.event is not None:
             launched.event.synchronize()
-        S = len(seqs)
-        host = launched.host.numpy()
-        toks = host[:S].astype(np.int64) if host.dtype != np.int64 else host
-        # token-level stops, vectorised: eos / stop_token_ids once min_tokens is reached, then length
-        nout = launched.nout
-        if len(self._eos_array) == 1:
-            hit = (toks == self._eos_array[0]) & ~launched.ignore_eos
-        elif len(self._eos_array):
-            hit = np.isin(toks, self._eos_array) & ~launched.ignore_eos
-        else:
-            hit = np.zeros(S, dtype=bool)
-        for i, ids in launched.stop_ids.items():
-            hit[i] |= int(toks[i]) in ids
-        hit &= nout >= launched.min_tokens
-        done = np.nonzero(hit | (nout >= launched.max_out))[0].tolist()
-        reasons = {i: ("stop" if hit[i] else "length") for i in done}
-        tok_list = toks.tolist()
-        first = np.nonzero(nout == 1)[0].tolist()  # first tokens: timing, prompt logprobs
-        lps = {}
-        L = len(launched.lp_pos)
-        if L:
-            pos = launched.lp_pos.tolist()
-            vals = host[S:S + L].tolist()
-            k = launched.k
-            if k:
-                ids_ = host[S + L:S + L + L * k].astype(np.int64).reshape(L, k).tolist()
-                lps_ = host[S + L + L * k:S + L + 2 * L * k].reshape(L, k).tolist()
-                lps = {p: (v, list(zip(a, b))) for p, v, a, b in zip(pos, vals, ids_, lps_)}
-            else:
-                lps = {p: (v, []) for p, v in zip(pos, vals)}
-        refused, complete = launched.processors.accept(tok_list) if launched.processors is not None else ([], [])
-        # the grammar took its stop token: the output is whole, even under ignore_eos / min_tokens
-        reasons.update(dict.fromkeys(complete, "stop"))
-        refused, first = set(refused), set(first)
-        special = set(done) | first | set(lps) | refused | set(complete)  # rows that need more than a plain output
-        self.generation_tokens += S
-        ending: list[tuple[Sequence, str]] = []
-        positions = launched.positions if self.async_scheduling else None
-        now = time.monotonic()
-        dropped: set[int] = set()  # async: rows aborted (or ended) after this step was launched get no output
-        if positions is None:
-            for seq, tok in zip(seqs, tok_list):
-                seq.token_ids.append(tok)
-        else:
-            finished = SequenceStatus.FINISHED
-            for i, seq in enumerate(seqs):
-                seq.token_ids[positions[i]] = tok_list[i]
-                pend = seq.pending
-                if pend is not None and pend[0] is launched:
-                    seq.pending = None
-                if seq.status is finished:
-                    self.generation_tokens -= 1
-                    dropped.add(i)
-        # a plain output for every row (one comprehension: this is the step's per-request cost), then the rows
-        # that need more (ending, first token, logprobs) get theirs in place, in row order
-        results = [StepOutput(seq.request_id, [tok], None, False, None, seq.num_prompt_tokens, seq.num_cached_tokens,
-                              None, None, seq.index) for seq, tok in zip(seqs, tok_list)]
-        for i in sorted(special - dropped):
-            seq, tok = seqs[i], tok_list[i]
-            lp = cum = plp = timing = error = None
-            if i in lps:
-                v, best = lps[i]
-                seq.cumulative_logprob += v
-                cum = seq.cumulative_logprob
-                n = seq.params.logprobs
-                if n is not None:
-                    lp = [TokenLogprob(tok, v, best[:n])]
-            if i in first:  # its first token
-                timing = (seq.first_scheduled_time, now)
-                if seq.index == 0 and seq.prompt_logprobs is not None:
-                    plp = seq.prompt_logprobs
-            reason = reasons.get(i)
-            if i in refused:  # a refused token (cannot happen under the mask) or a failed matcher: never run on
-                reason, error = "error", f"structured_outputs: the grammar cannot go on at token {tok}"
-            if reason is not None:
-                ending.append((seq, reason))
-            results[i] = StepOutput(seq.request_id, [tok], lp, reason is not None, reason, seq.num_prompt_tokens,
-                                    seq.num_cached_tokens, cum, error, seq.index, plp, timing)
-        if dropped:
-            results = [r for i, r in enumerate(results) if i not in dropped]
+        results, ending, generated = self.output_processor.process(launched)
+        self.generation_tokens += generated
         if ending:
             self._finish_many(ending)
         return results
@@ -605,49 +479,6 @@ class LLMEngine:
             self.scheduler.running.append(child)
             forked.append(child)
         return forked
-
-    # ---- prompt logprobs -----------------------------------------------------------------------------
-    def _prompt_logprob_rows(self, batch: ScheduledBatch) -> tuple[list[tuple[int, Sequence, int]], list[int]]:
-        """(flat token row, sequence, prompt position) for every scheduled prompt position whose logits predict a
-        prompt token not scored yet, and those tokens."""
-        rows, targets = [], []
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
-            if seq.prompt_logprobs_pending:
-                if seq.prompt_logprobs is None:
-                    seq.prompt_logprobs = [None]  # the first prompt token has no context
-                start = seq.num_computed_tokens
-                for pos in range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)):
-                    rows.append((offset + pos - start, seq, pos))
-                    targets.append(seq.prompt_token_ids[pos + 1])
-            offset += n
-        return rows, targets
-
-    def _add_prompt_logprobs(self, logits: torch.Tensor, rows, targets: list[int], chunk: int = 256) -> None:
-        """Raw-model logprob and exact rank of each scored prompt token, and the top-n (vLLM's prompt_logprobs).
-        In chunks of rows, so a long prompt never holds a second [rows, vocab] tensor at once."""
-        k = max(seq.params.prompt_logprobs for _, seq, _ in rows)
-        for c in range(0, len(rows), chunk):
-            lp = torch.log_softmax(logits[c:c + chunk].float(), dim=-1)
-            tgt = torch.tensor(targets[c:c + chunk], dtype=torch.int64, device=lp.device)[:, None]
-            tok_lp = lp.gather(1, tgt)
-            ranks = (lp >= tok_lp).sum(dim=-1).tolist()  # vLLM's rank: how many tokens are at least as likely
-            top_lp = top_ids = None
-            if k > 0:
-                top = lp.topk(k, dim=-1)
-                top_lp, top_ids = top.values.tolist(), top.indices.tolist()
-            for j, (_, seq, pos) in enumerate(rows[c:c + chunk]):
-                if len(seq.prompt_logprobs) != pos + 1:
-                    continue  # already scored (recomputed after a preemption)
-                kk = seq.params.prompt_logprobs
-                best = list(zip(top_ids[j][:kk], top_lp[j][:kk])) if kk else []
-                seq.prompt_logprobs.append(TokenLogprob(targets[c + j], tok_lp[j, 0].item(), best, ranks[j]))
-
-    def _stop_ids(self, seq: Sequence) -> list[int]:
-        ids = list(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            ids.extend(self.eos_token_ids)
-        return ids
 
     # ---- counters --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

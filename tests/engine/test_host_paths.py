@@ -1,20 +1,30 @@
 """The engine's host-side fast paths against the simple path, token for token: the persistent sampling state
-(vs SamplingBatch.build from the sequences' lists every step) and async scheduling (step N+1 scheduled and
-launched before step N's tokens reach the host, also over the decode-graph path), on a tiny random model, with
-preemption, chunked prefill, n > 1, penalties, logprobs, min_tokens, stop ids, logit_bias / allowed_token_ids
-and bad_words; and the overlap itself with a slow fake device."""
+(vs SamplingBatch.build from the sequences' lists every step, harness.simple_sampling) and async scheduling (step
+N+1 scheduled and launched before step N's tokens reach the host, also over the decode-graph path), emulated on
+CPU, on tiny random models: with preemption, chunked prefill, n > 1, penalties, logprobs, min_tokens, stop ids,
+logit_bias / allowed_token_ids and bad_words; and with structured outputs (choice, regex, JSON schema) and LoRA
+adapters loaded, reloaded, unloaded and evicted while they serve mixed batches. Then the overlap itself with a
+slow fake device."""
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
+from harness.default_model import ensure_default_model
 from harness.hf_models import assert_no_leak, make_hf_model, random_prompts
+from harness.lora import make_peft_adapter
+from harness.simple_sampling import use_simple_sampling
 from loom.engine.config import EngineConfig
 from loom.engine.llm_engine import PLACEHOLDER, LLMEngine
 from loom.engine.sampling_params import SamplingParams as SP
+from loom.engine.structured_output import StructuredOutputsParams as SO
+from loom.lora import LoraModelSpec, LoraPool
 
 VOCAB = 320
 
@@ -71,39 +81,61 @@ def check_block_tables(eng) -> list[int]:
     return checked
 
 
-def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11)):
-    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=0, max_num_batched_tokens=48,
-                       max_num_seqs=8, async_scheduling=mode.startswith("async"))
-    # a KV cache small enough that requests get preempted
-    per_block = 2 * 2 * 8 * 2 * 16 * 4
-    cfg.kv_cache_memory_bytes = 24 * per_block
-    eng = LLMEngine(cfg, load_tokenizer=False)
-    eng.tokenizer = LetterTokenizer()
+MODES = ("simple", "sync", "async", "async_graphs")
+PER_BLOCK = 2 * 2 * 8 * 2 * 16 * 4  # KV bytes of one 8-token block of the tiny models (2 layers, 2 KV heads of 16)
+
+
+def make_engine(cfg: EngineConfig, mode: str, load_tokenizer: bool = False) -> LLMEngine:
+    """An engine on one of the paths: the simple sampling path, or the persistent state synchronous, async, or
+    async over the decode-graph path (static buffers, padded buckets). CPU ignores cfg.async_scheduling (on by
+    default for CUDA): the path is set on the engine."""
+    eng = LLMEngine(cfg, load_tokenizer=load_tokenizer)
+    assert eng.async_scheduling == (eng.runner.device.type == "cuda")
     if mode == "simple":
-        eng.use_simple_sampling()
-    if mode == "async_graphs":  # decode steps through the CUDA-graph path (static buffers, padded buckets)
+        use_simple_sampling(eng)
+    eng.async_scheduling = mode.startswith("async")
+    if mode == "async_graphs":
         eng.runner.enable_graph_emulation()
+    return eng
+
+
+def drive(eng: LLMEngine, requests, actions=None) -> dict:
+    """Run requests [(arrival step, request id, prompt, params, lora name)] to the end, calling actions[step](eng)
+    before that step; -> (request id, index) -> tokens, logprobs, finish reason, cumulative logprob."""
     checked = check_block_tables(eng)
-    prompts, params = workload()
+    actions = dict(actions or {})
+    pending = sorted(requests, key=lambda r: r[0])
     got: dict = {}
     step = 0
-    pending = sorted(zip(arrivals, range(len(prompts))))
-    while pending or eng.has_unfinished_requests():
+    while pending or actions or eng.has_unfinished_requests():
+        if step in actions:
+            actions.pop(step)(eng)
         while pending and pending[0][0] <= step:
-            _, i = pending.pop(0)
-            eng.add_request(f"q{i}", prompts[i], params[i])
+            _, rid, prompt, params, lora = pending.pop(0)
+            eng.add_request(rid, prompt, params, lora)
         for o in eng.step():
-            rec = got.setdefault((o.request_id, o.index), {"tokens": [], "lps": [], "reason": None, "cum": None})
+            rec = got.setdefault((o.request_id, o.index), {"tokens": [], "lps": [], "reason": None, "cum": None,
+                                                           "error": None})
             rec["tokens"] += o.new_token_ids
             rec["lps"] += [(lp.logprob, [t for t, _ in lp.top]) for lp in (o.new_logprobs or [])]
             rec["cum"] = o.cumulative_logprob
             if o.finished:
-                rec["reason"] = o.finish_reason
+                rec["reason"], rec["error"] = o.finish_reason, o.error
         step += 1
         assert step < 2000
     assert_no_leak(eng)
     assert checked
-    return got, eng
+    return got
+
+
+def run(model_dir: str, mode: str, arrivals=(0, 0, 1, 2, 2, 3, 5, 5, 6, 8, 9, 11)):
+    # a KV cache small enough that requests get preempted
+    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=24 * PER_BLOCK, max_num_batched_tokens=48,
+                       max_num_seqs=8)
+    eng = make_engine(cfg, mode)
+    eng.tokenizer = LetterTokenizer()
+    prompts, params = workload()
+    return drive(eng, [(t, f"q{i}", prompts[i], params[i], None) for i, t in enumerate(arrivals)]), eng
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -118,11 +150,18 @@ def assert_same(a: dict, b: dict) -> None:
             assert abs(a[k]["cum"] - b[k]["cum"]) < 1e-3, k
 
 
+def test_async_scheduling_is_the_default_on_cuda_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig().resolve_async_scheduling(cuda)
+    assert not EngineConfig(async_scheduling=False).resolve_async_scheduling(cuda)
+    assert not EngineConfig().resolve_async_scheduling(cpu)
+
+
 def test_persistent_state_and_async_scheduling_match_the_simple_path(model_dir):
     simple, eng_s = run(model_dir, "simple")
     persistent, eng_p = run(model_dir, "sync")
     overlapped, eng_a = run(model_dir, "async")
-    assert eng_s.sampling_state is None and eng_p.sampling_state is not None and eng_a.async_scheduling
+    assert eng_a.async_scheduling and not eng_p.async_scheduling and not eng_s.async_scheduling
     # the workload exercises what it should
     assert eng_s.scheduler.num_preemptions > 0 and eng_a.scheduler.num_preemptions > 0
     assert len(simple) == 14  # 12 requests, one with n = 3
@@ -137,16 +176,100 @@ def test_persistent_state_and_async_scheduling_match_the_simple_path(model_dir):
     assert_same(simple, graphed)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_block_table_rows_follow_every_table_change(model_dir, async_scheduling):
+# ---- structured outputs and adapter churn ------------------------------------------------------------------
+
+FLAG_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}
+CHOICE, REGEX = ("yes", "no"), r"[0-9]{3}-[a-z]{2}"
+ADAPTERS = {"a": (4, ["q_proj", "v_proj"]), "b": (8, "all-linear"), "c": (6, ["o_proj", "down_proj"]),
+            "d": (4, ["k_proj", "up_proj"])}  # name: rank, targets
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer (structured outputs need a real one) and PEFT
+    adapters for it -> (model dir, adapter root)."""
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    path = make_hf_model("llama", tmp_path_factory.mktemp("tok"), vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id)[1]
+    tok.save_pretrained(path)
+    root = tmp_path_factory.mktemp("adapters")
+    for i, (name, (r, targets)) in enumerate(ADAPTERS.items()):
+        make_peft_adapter(path, str(root / name), seed=40 + i, r=r, alpha=2 * r, target_modules=targets, scale=2.0)
+    return path, root
+
+
+def run_churn(model_dir: str, root, mode: str):
+    """Structured requests (n = 2 among them) and plain ones, with and without adapters, in a KV cache that
+    preempts and LoRA pools that hold two adapters at a time (every switch evicts); meanwhile an adapter is loaded,
+    reloaded with other weights and unloaded while its requests run, and another is unloaded and re-read from its
+    folder on first use."""
+    row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir)), torch.float32,
+                                 "cpu")
+    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=16 * PER_BLOCK, max_num_batched_tokens=48,
+                       max_num_seqs=8, adapter_roots=[str(root)], max_lora_rank=8, lora_memory_bytes=14 * row,
+                       max_host_adapters=2)
+    eng = make_engine(cfg, mode, load_tokenizer=True)
+    reg = eng.adapters
+    for name in ("a", "b"):
+        reg.load(name)
+    prompts = random_prompts([9, 30, 14, 22, 6, 52, 17, 11, 25, 8, 19], len(eng.tokenizer), seed=31)
+    so = dict(temperature=1.0, max_tokens=24)
+    reqs = [  # arrival step, request id, params, adapter
+        (0, "plain-a", SP(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True), "a"),
+        (0, "choice", SP(seed=1, structured_outputs=SO(choice=CHOICE), **so), None),
+        (1, "json-b", SP(seed=2, n=2, structured_outputs=SO(json=FLAG_SCHEMA, disable_any_whitespace=True), **so),
+         "b"),
+        (1, "regex-a", SP(seed=3, structured_outputs=SO(regex=REGEX), **so), "a"),
+        (2, "n3-b", SP(temperature=0.9, seed=4, n=3, max_tokens=10, frequency_penalty=0.5, ignore_eos=True), "b"),
+        (2, "long", SP(temperature=0.0, max_tokens=14, ignore_eos=True), None),
+        (4, "x-v1", SP(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True), "x"),
+        (6, "choice-x", SP(seed=6, structured_outputs=SO(choice=CHOICE), **so), "x"),
+        (9, "x-v2", SP(temperature=0.8, seed=7, n=2, max_tokens=12, ignore_eos=True), "x"),
+        (12, "b-again", SP(temperature=0.0, max_tokens=10, ignore_eos=True), "b"),
+        (13, "json-d", SP(seed=8, structured_outputs=SO(json=FLAG_SCHEMA, disable_any_whitespace=True), **so), "d"),
+    ]
+    actions = {
+        3: lambda e: reg.load("x", "c"),  # x = c
+        8: lambda e: reg.reload("x", "d"),  # x-v1 keeps c; requests from now on get d
+        10: lambda e: (reg.unload("x"), reg.unload("b")),  # their running requests keep their weights
+    }
+    got = drive(eng, [(t, rid, prompts[i], p, lora) for i, (t, rid, p, lora) in enumerate(reqs)], actions)
+    return got, eng
+
+
+def test_async_scheduling_matches_under_structured_outputs_and_adapter_churn(tok_model):
+    model_dir, root = tok_model
+    simple, eng_s = run_churn(model_dir, root, "simple")
+    tok = eng_s.tokenizer
+    assert len(simple) == 15  # 11 requests, two with n = 2, one with n = 3
+    assert all(r["error"] is None for r in simple.values())
+    # the workload exercises what it should: grammars that end their requests, preemption, evictions
+    for k in (("choice", 0), ("choice-x", 0)):
+        assert simple[k]["reason"] == "stop" and tok.decode(simple[k]["tokens"], skip_special_tokens=True) in CHOICE
+    for k in (("json-b", 0), ("json-b", 1), ("json-d", 0)):
+        text = tok.decode(simple[k]["tokens"], skip_special_tokens=True)
+        assert simple[k]["reason"] == "stop" and isinstance(json.loads(text)["ok"], bool), text
+    assert re.fullmatch(REGEX, tok.decode(simple[("regex-a", 0)]["tokens"], skip_special_tokens=True))
+    assert len({tuple(simple[("n3-b", i)]["tokens"]) for i in range(3)}) == 3  # seed + index: completions differ
+    assert eng_s.scheduler.num_preemptions > 0 and eng_s.adapters.num_evictions > 0
+    for mode in MODES[1:]:
+        got, eng = run_churn(model_dir, root, mode)
+        assert_same(simple, got)
+        assert eng.scheduler.num_preemptions > 0 and eng.adapters.num_evictions > 0, mode
+        assert mode != "async_graphs" or eng.runner.graphs.replays > 0
+        # x is gone; b and d were read from their folders at first use
+        assert [d["name"] for d in eng.adapters.list()] == ["a", "b", "d"] and eng.adapters.info()["refs"] == 0, mode
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_block_table_rows_follow_every_table_change(model_dir, mode):
     """The runner writes only the blocks appended since a row was last written; every other change of a table -
     a prefix-cache hit at admission, a duplicate block adopted from the cache, preemption and re-admission, a
     fork for n > 1, a finished sequence's row taken by another - must rewrite the row. Outputs equal a fresh
     engine that runs each request alone (greedy, and seeded sampling for the n = 2 request)."""
-    per_block = 2 * 2 * 8 * 2 * 16 * 4
     cfg = dict(model=model_dir, block_size=8, max_num_batched_tokens=64, max_num_seqs=6)
-    eng = LLMEngine(EngineConfig(**cfg, kv_cache_memory_bytes=20 * per_block, async_scheduling=async_scheduling),
-                    load_tokenizer=False)
+    eng = make_engine(EngineConfig(**cfg, kv_cache_memory_bytes=20 * PER_BLOCK), mode)
     checked = check_block_tables(eng)
     base = random_prompts([30], VOCAB, seed=21)[0]
     prompts = [base, list(base), base + [5, 6, 7], base[:17]] + random_prompts([12, 26, 9], VOCAB, seed=22)
@@ -176,8 +299,7 @@ def test_block_table_rows_follow_every_table_change(model_dir, async_scheduling)
 
 
 def test_async_abort_and_stop_while_a_step_is_in_flight(model_dir):
-    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=1 << 20, async_scheduling=True)
-    eng = LLMEngine(cfg, load_tokenizer=False)
+    eng = make_engine(EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=1 << 20), "async")
     prompts = random_prompts([6, 9, 12], VOCAB, seed=3)
     ref = LLMEngine(EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=1 << 20), load_tokenizer=False)
     free = {}
@@ -251,9 +373,8 @@ def fake_forward(eng: LLMEngine, device: FakeDevice):
 
 
 def overlap_run(model_dir: str, async_scheduling: bool, host_s: float, device_s: float):
-    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=4 << 20, max_num_seqs=16,
-                       async_scheduling=async_scheduling)
-    eng = LLMEngine(cfg, load_tokenizer=False)
+    cfg = EngineConfig(model=model_dir, block_size=8, kv_cache_memory_bytes=4 << 20, max_num_seqs=16)
+    eng = make_engine(cfg, "async" if async_scheduling else "sync")
     device = FakeDevice(device_s)
     eng.runner.run = fake_forward(eng, device)
     eng._new_event = device.event
