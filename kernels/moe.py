@@ -124,7 +124,18 @@ def _block_sizes(P, E, H, I):
     block_m = 16 if P <= 2 * E * 16 else (32 if P <= 2 * E * 32 else 64)
     block_n1 = 64 if I >= 64 else max(16, triton.next_power_of_2(I))
     block_n2 = 64 if H >= 64 else max(16, triton.next_power_of_2(H))
-    return block_m, block_n1, block_n2, 64
+    return block_m, block_n1, block_n2
+
+
+def _k_tiles(block_m, dtype):
+    """(BLOCK_K, num_warps) of the gate/up and of the down kernel, chosen with scripts/kernel_resources.py for
+    bf16/fp16 on sm_80 and sm_90: no spills. Decode-sized tiles (16 rows) stream the expert weights: gate/up on 8
+    warps with a 32-deep K tile holds ~120 registers (2 CTAs = 16 warps per SM) where 4 warps x 64 sat at the 255
+    cap. 32/64-row tiles are compute-bound: 8 warps (4 spill at 64 rows: two accumulators). float32 (ieee dot)
+    takes a 32-deep K tile: 64 spills on sm_90."""
+    wide = block_m >= 32
+    bk = 32 if dtype == torch.float32 else 64
+    return (bk if wide else 32, 8), (bk, 8 if wide else 4)
 
 
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, block_m=None):
@@ -139,10 +150,9 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, block_m=None)
         return out
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     P = T * K
-    bm, bn1, bn2, bk = _block_sizes(P, E, H, I)
+    bm, bn1, bn2 = _block_sizes(P, E, H, I)
     bm = block_m or bm  # a power of two >= 16
-    if x.dtype == torch.float32:
-        bk = 32  # ieee fp32 dot: a 64-deep K tile spills on sm_90
+    (bk1, w1), (bk2, w2_) = _k_tiles(bm, x.dtype)
     sorted_ids, block_expert = moe_align(topk_ids, E, bm)
     nb = block_expert.numel()
     inter = torch.empty((nb * bm, I), dtype=x.dtype, device=x.device)  # rows in sorted (padded) order
@@ -150,15 +160,14 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, out=None, block_m=None)
     _gate_up_kernel[(nb, triton.cdiv(I, bn1))](
         x, w13, inter, sorted_ids, block_expert,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        H, I, P, TOP_K=K, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk, DOT_PREC=prec,
-        num_warps=8 if bm >= 64 else 4,  # 4 warps spill at 64 rows (sm_90 ptxas, two accumulators here)
+        H, I, P, TOP_K=K, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PREC=prec, num_warps=w1,
     )
     per_pair = torch.empty((P, H), dtype=x.dtype, device=x.device)  # every row written exactly once
     tw = topk_weights.reshape(-1).contiguous()  # indexed by pair id = t * K + k
     _down_kernel[(nb, triton.cdiv(H, bn2))](
         inter, w2, per_pair, sorted_ids, block_expert, tw,
         inter.stride(0), w2.stride(0), w2.stride(1), per_pair.stride(0),
-        H, I, P, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk, DOT_PREC=prec, num_warps=8 if bm >= 64 else 4,
+        H, I, P, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PREC=prec, num_warps=w2_,
     )
     return torch.sum(per_pair.view(T, K, H), dim=1, out=out)
 

@@ -175,6 +175,13 @@ def _auto_num_splits(q, B, KVH, max_ctx):
     return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // MIN_PART, 128))
 
 
+# Key tile and warps per padded head dim: (BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16
+# on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed for: no spills, and enough resident CTAs
+# (>= 3 of 4 warps per SM; 4-5 at head_dim 128) that their K/V tile loads (BLOCK_N * D * 2 bytes, K and V) keep
+# >= 24 KB per SM in flight, about what covers the memory latency at full bandwidth. Wider key tiles push the
+# registers to the 255 cap (2 CTAs per SM) and spill at head_dim 128 on sm_90 (BLOCK_N 64).
+DECODE_TILES = {16: (32, 4), 32: (32, 4), 64: (32, 4), 128: (16, 4), 256: (16, 4)}
+
 MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others exit at once)
 NS_BLOCK = 16  # partitions the reduction merges per iteration
 
@@ -198,8 +205,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if B == 0:
         return out
     d_pad = pad_dim(D)
-    if block_n is None:
-        block_n = 64 if d_pad <= 128 else 32
+    tile_n, num_warps = DECODE_TILES.get(d_pad, (16, 4))
+    block_n = block_n or tile_n
     max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
     if sliding_window is not None:
         max_ctx = min(max_ctx, sliding_window)  # keys one query can see
@@ -209,7 +216,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     num_splits = max(1, min(num_splits, triton.cdiv(max_ctx, block_n)))
     common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
-                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=4)
+                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=num_warps)
     scale_log2e = scale * _LOG2E
     window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
     if num_splits == 1:

@@ -3,7 +3,8 @@
 
 Run as a script (NOT under TRITON_INTERPRET): the launchers run on CPU tensors, but each kernel launch
 is intercepted and compiled with triton.compile for the target instead of being executed.
-Exits non-zero on the first failure. Usage: python compile_check.py [bf16] [fp16] [fp32]
+Exits non-zero on the first failure. Usage: python kernel_compile_check.py [bf16] [fp16] [fp32]
+scripts/kernel_resources.py compiles the same variants and reports their registers, spills and occupancy.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile check needs real @jit functions"
 
@@ -28,7 +30,26 @@ ppa = importlib.import_module("loom.kernels.paged_prefill_attention")
 _TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
        torch.int64: "*i64"}
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
-compiled = []
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Variant:
+    """One compiled kernel: what launched it (group, dtype name), its constexprs and launch options, the target, and
+    triton's CompiledKernel (metadata.shared, asm["cubin"], ...)."""
+    kernel: str
+    group: str
+    dtype: str
+    target: GPUTarget
+    consts: dict
+    num_warps: int
+    num_stages: int
+    compiled: object
+
+
+compiled: list[Variant] = []
+targets = list(TARGETS)  # the targets launches compile for (kernel_resources.py may narrow it)
+_launching = {"group": "", "dtype": ""}
 
 
 class _Compiler:
@@ -56,10 +77,11 @@ class _Compiler:
                     sig[name] = "fp32"
                 else:
                     raise TypeError(f"{name}: {type(v)}")
-            for target in TARGETS:
-                triton.compile(ASTSource(self.fn, sig, consts), target=target,
-                               options={"num_warps": num_warps, "num_stages": num_stages})
-                compiled.append(self.fn.__name__)
+            for target in targets:
+                k = triton.compile(ASTSource(self.fn, sig, consts), target=target,
+                                   options={"num_warps": num_warps, "num_stages": num_stages})
+                compiled.append(Variant(self.fn.__name__, _launching["group"], _launching["dtype"], target, consts,
+                                        num_warps, num_stages, k))
         return launch
 
 
@@ -68,51 +90,87 @@ for mod in (kv_store, activation, norm, rotary, lora, moe, pda, ppa):
         if isinstance(v, triton.runtime.jit.JITFunction) and k.endswith("_kernel"):  # launched ones only
             setattr(mod, k, _Compiler(v))
 
+# Launch groups: each calls the launchers the way serving does (the default tile choices) or as the cases force them.
+# Serving head dims, with their GQA group: 64 (SmolLM2, 3), 128 (Llama-3 8B, 4), 256 (Gemma 2, 2).
+SERVING_HEADS = ((128, 4, 16), (64, 3, 32), (256, 2, 16))
+T, KVH = 4, 8
 
-def main(argv):
+
+def _small(dt):
+    kc = torch.zeros(8, 16, KVH, 128, dtype=dt)
+    kv_store.store_kv_triton(torch.zeros(T, KVH, 128, dtype=dt), torch.zeros(T, KVH, 128, dtype=dt), kc,
+                             kc.clone(), torch.zeros(T, dtype=torch.int64))
+    activation.silu_and_mul_triton(torch.zeros(T, 256, dtype=dt))
+    norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), torch.zeros(T, 96, dtype=dt),
+                                   torch.zeros(96, dtype=dt), 1e-5)
+    norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), None, torch.zeros(96, dtype=dt), 1e-5)
+    pos = torch.zeros(T, dtype=torch.int64)
+    rotary.rotary_embedding_triton(pos, torch.zeros(T, 9, 64, dtype=dt), torch.zeros(T, 3, 64, dtype=dt),
+                                   torch.zeros(16, 64))
+    for hd, rot in ((128, 128), (96, 48)):  # full and partial rotary (Phi-3), head dim not a power of two
+        kv = torch.zeros(T, KVH, hd, dtype=dt)
+        kc = torch.zeros(8, 16, KVH, hd, dtype=dt)
+        rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, hd, dtype=dt), kv, kv, torch.zeros(16, rot),
+                                      kc, kc.clone(), pos)
+
+
+def _attention(dt, heads, decode=True, prefill=True):
+    for hd, grp, bs in heads:
+        kc = torch.zeros(8, bs, 2, hd, dtype=dt)
+        bt = torch.zeros(2, 16, dtype=torch.int32)  # wide enough for num_splits=4 at every block size
+        sl = torch.ones(2, dtype=torch.int32)
+        q = torch.zeros(2, 2 * grp, hd, dtype=dt)
+        if decode:
+            for ns in (1, 4):  # single pass; flash-decoding and its reduction
+                pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns)
+        if prefill:
+            cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+            for mq in (1, 32, 100):  # decode-like rows (block_m 16), short chunks, prompts (the largest block_m)
+                ppa.paged_prefill_attention_triton(q, kc, kc, cu, sl, bt, mq, 0.1)
+
+
+def _moe(dt):
+    for T_, E, K in ((3, 8, 2), (200, 8, 2), (300, 8, 2)):  # fused MoE: 16-, 32- and 64-row tiles
+        x, ids = torch.zeros(T_, 128, dtype=dt), torch.zeros(T_, K, dtype=torch.int64)
+        moe.fused_moe_triton(x, torch.zeros(E, 192, 128, dtype=dt), torch.zeros(E, 128, 96, dtype=dt),
+                             torch.zeros(T_, K), ids)
+
+
+def _lora(dt):
     import harness.kernel_cases as kcases
 
-    names = argv or ["bf16", "fp16", "fp32"]
-    dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[n] for n in names]
+    meta, R, _ = kcases.make_lora_meta(20, [1, 8, 64], "cpu")
+    x = torch.zeros(20, 128, dtype=dt)
+    for sk in (1, 2):
+        buf = lora.lora_shrink_triton(x, torch.zeros(3, R, 128, dtype=dt), meta, split_k=sk)
+    lora.lora_expand_triton(buf, torch.zeros(R, 128, dtype=dt), [0, 64, 96, 128], meta,
+                            torch.zeros(20, 128, dtype=dt))
+
+
+GROUPS = {
+    "small": _small,  # store_kv, activations, norm, rotary
+    "decode": lambda dt: _attention(dt, SERVING_HEADS, prefill=False),
+    "prefill": lambda dt: _attention(dt, SERVING_HEADS, decode=False),
+    "attention_edge": lambda dt: _attention(dt, ((8, 2, 16),)),  # head_dim 8: tl.dot K >= 16 by padding
+    "moe": _moe,
+    "lora": _lora,
+}
+SERVING = ("decode", "prefill", "moe")  # the kernels whose registers and spills matter for throughput
+
+
+def launch(dtype_names=("bf16", "fp16", "fp32"), groups=tuple(GROUPS)):
+    """Compile the groups' variants for `targets` in each dtype; returns the new entries of `compiled`."""
+    first = len(compiled)
+    for name in dtype_names:
+        for g in groups:
+            _launching.update(group=g, dtype=name)
+            GROUPS[g](DTYPES[name])
+    return compiled[first:]
+
+
+def main(argv):
     t0 = time.time()
-    for dt in dtypes:
-        # serving-like shapes hit the default tile choices; the cases hit the forced ones
-        T, KVH, D, BS = 4, 8, 128, 16
-        kc = torch.zeros(8, BS, KVH, D, dtype=dt)
-        kv_store.store_kv_triton(torch.zeros(T, KVH, D, dtype=dt), torch.zeros(T, KVH, D, dtype=dt), kc,
-                                         kc.clone(), torch.zeros(T, dtype=torch.int64))
-        activation.silu_and_mul_triton(torch.zeros(T, 256, dtype=dt))
-        norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), torch.zeros(T, 96, dtype=dt),
-                                               torch.zeros(96, dtype=dt), 1e-5)
-        norm.fused_add_rms_norm_triton(torch.zeros(T, 96, dtype=dt), None, torch.zeros(96, dtype=dt), 1e-5)
-        pos = torch.zeros(T, dtype=torch.int64)
-        rotary.rotary_embedding_triton(pos, torch.zeros(T, 9, 64, dtype=dt), torch.zeros(T, 3, 64, dtype=dt),
-                                       torch.zeros(16, 64))
-        for hd, rot in ((128, 128), (96, 48)):  # full and partial rotary (Phi-3), head dim not a power of two
-            kv = torch.zeros(T, KVH, hd, dtype=dt)
-            kc = torch.zeros(8, BS, KVH, hd, dtype=dt)
-            rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, hd, dtype=dt), kv, kv, torch.zeros(16, rot),
-                                          kc, kc.clone(), pos)
-        for hd, grp, bs in ((128, 4, 16), (64, 3, 32), (256, 1, 16), (8, 2, 16)):  # head_dim 8: tl.dot K >= 16
-            kc = torch.zeros(8, bs, 2, hd, dtype=dt)
-            bt = torch.zeros(2, 4, dtype=torch.int32)
-            sl = torch.ones(2, dtype=torch.int32)
-            q = torch.zeros(2, 2 * grp, hd, dtype=dt)
-            for ns in (1, 4):
-                pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns)
-            cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-            for mq in (1, 100):
-                ppa.paged_prefill_attention_triton(q, kc, kc, cu, sl, bt, mq, 0.1)
-        for T, E, K in ((3, 8, 2), (300, 8, 2)):  # fused MoE: decode- and prefill-sized tiles
-            x, ids = torch.zeros(T, 128, dtype=dt), torch.zeros(T, K, dtype=torch.int64)
-            moe.fused_moe_triton(x, torch.zeros(E, 192, 128, dtype=dt), torch.zeros(E, 128, 96, dtype=dt),
-                                 torch.zeros(T, K), ids)
-        meta, R, _ = kcases.make_lora_meta(20, [1, 8, 64], "cpu")
-        x = torch.zeros(20, 128, dtype=dt)
-        for sk in (1, 2):
-            buf = lora.lora_shrink_triton(x, torch.zeros(3, R, 128, dtype=dt), meta, split_k=sk)
-        lora.lora_expand_triton(buf, torch.zeros(R, 128, dtype=dt), [0, 64, 96, 128], meta,
-                                        torch.zeros(20, 128, dtype=dt))
+    launch(argv or tuple(DTYPES))
     print(f"compiled {len(compiled)} kernel variants for sm_80 and sm_90 in {time.time() - t0:.0f}s")
 
 

@@ -1,9 +1,12 @@
-"""Each Triton kernel against its reference: on CPU under the Triton interpreter in float32 and float16;
-with LOOM_TEST_DEVICE=cuda compiled on the GPU in float32, float16 and bfloat16."""
+"""Each Triton kernel against its reference in float32, float16 and bfloat16: on CPU under the Triton interpreter
+(bfloat16 with the interpreter's bf16 dot and casts replaced by the GPU's numerics, harness.interpreter_bf16: it
+checks indexing, masking and dtype handling, not the MMA's rounding); with LOOM_TEST_DEVICE=cuda compiled on the
+GPU."""
 import pytest
 import torch
 
 import harness.kernel_cases as kcases
+from harness.interpreter_bf16 import gpu_bf16
 from harness.suite_device import DEVICE, kernel_dtypes
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
@@ -21,7 +24,8 @@ def _params():
 @pytest.mark.parametrize("name,case,dtype,seed", list(_params()))
 def test_triton_vs_ref(name, case, dtype, seed):
     torch.manual_seed(seed)
-    kcases.CASES[name][0](dtype, DEVICE, **case)
+    with gpu_bf16(dtype == torch.bfloat16):
+        kcases.CASES[name][0](dtype, DEVICE, **case)
 
 
 def test_jit_compile_counter():

@@ -1,17 +1,19 @@
 """kernels/moe.py: the reference against a float64 per-token loop, the Triton launcher (interpreter) against the
-reference in float32 / float16, and the align step's invariants."""
+reference in float32 / float16 / bfloat16 (bf16 with the interpreter's bf16 dot and casts patched to the GPU's
+numerics: harness.interpreter_bf16), and the align step's invariants."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import harness.kernel_cases as kcases
+from harness.interpreter_bf16 import gpu_bf16
 from harness.kernel_cases import assert_close
 from loom.kernels import dispatch
 from loom.kernels.moe import _block_sizes, fused_moe_lora_ref, fused_moe_ref, fused_moe_triton, moe_align
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
 
-DTYPES = [torch.float32, torch.float16]  # bfloat16: GPU only (the interpreter's bf16 dot is wrong)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # (id, T, E, K, H, I, routing, extra); H/I deliberately not multiples of the 64-wide blocks
 CASES = [
@@ -70,7 +72,7 @@ def naive(x, w13, w2, weights, ids):
 def _params():
     for i, (name, T, E, K, H, I, kind, extra) in enumerate(CASES):
         for dt in DTYPES:
-            yield pytest.param(T, E, K, H, I, kind, extra, dt, 1000 + 2 * i + (dt == torch.float16),
+            yield pytest.param(T, E, K, H, I, kind, extra, dt, 1000 + 3 * i + DTYPES.index(dt),
                                id=f"{name}-{str(dt).split('.')[-1]}")
 
 
@@ -96,7 +98,8 @@ def test_triton_vs_ref(T, E, K, H, I, kind, extra, dtype, seed, monkeypatch):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     out = torch.full((T, H), float("nan"), dtype=dtype)
-    res = fused_moe_triton(x, w13, w2, tw, ids, out=out, **extra)
+    with gpu_bf16(dtype == torch.bfloat16):
+        res = fused_moe_triton(x, w13, w2, tw, ids, out=out, **extra)
     monkeypatch.undo()
     assert res.data_ptr() == out.data_ptr()
     if T == 0:
