@@ -49,6 +49,13 @@ class EngineConfig:
     # CPU
     cpu_threads: int = 0  # compute threads; 0 = torch's count, capped at the cores this process may use
     cpu_compile: bool = False  # torch.compile the forward at start (minutes; faster steps)
+    # LoRA at scale: host memory of the adapters evicted from the device, in bytes beside max_host_adapters' count
+    # (0 = the count alone); adapters fetched on first use from URI prefixes (fsspec: file://, s3://, ...) into a
+    # local cache of adapter_cache_bytes, least recently used dropped first ("" = $LOOM_CACHE_DIR/adapters)
+    max_host_adapter_bytes: int = 0
+    adapter_sources: list[str] = field(default_factory=list)
+    adapter_cache_dir: str = ""
+    adapter_cache_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +102,14 @@ class EngineConfig:
               "adapter_roots", "must be a list of directory paths")
         for r in self.adapter_roots:
             check(os.path.isdir(r), "adapter_roots", f"{r!r} is not an existing directory")
+        check(isinstance(self.max_host_adapter_bytes, int) and self.max_host_adapter_bytes >= 0,
+              "max_host_adapter_bytes", "must be an integer >= 0 (0 = bounded by max_host_adapters only)")
+        check(isinstance(self.adapter_sources, list) and all(isinstance(s, str) and "://" in s and "::" not in s
+                                                              for s in self.adapter_sources),
+              "adapter_sources", "must be a list of URI prefixes such as file:///adapters or s3://bucket/adapters")
+        check(isinstance(self.adapter_cache_dir, str), "adapter_cache_dir", "must be a directory path")
+        check(isinstance(self.adapter_cache_bytes, int) and self.adapter_cache_bytes >= 1,
+              "adapter_cache_bytes", "must be an integer >= 1")
 
     @property
     def torch_device(self) -> torch.device:

@@ -497,4 +497,5 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             resident_adapters=self.adapters.num_resident(),
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            running_adapters=running, waiting_adapters=waiting, max_loras=max_loras, block_size=bm.block_size)
+            running_adapters=running, waiting_adapters=waiting, max_loras=max_loras, block_size=bm.block_size,
+            lora=self.adapters.stats())

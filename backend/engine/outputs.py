@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loom.lora.lora_stats import LoraStats
+
 
 @dataclass
 class TokenLogprob:
@@ -48,6 +50,7 @@ class EngineStats:
     waiting_adapters: dict[str, int] = field(default_factory=dict)
     max_loras: int = 0  # adapters of the largest allowed rank that fit the device pool at once
     block_size: int = 0
+    lora: LoraStats = field(default_factory=LoraStats)  # the adapters' tiers, evictions and load latencies
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -8,7 +8,8 @@ Modules: adapter_registry (names, requests, the background loader), adapter_vers
 AdapterRef), residency (device rows per space, LRU eviction, host tier), batch_meta (per-step LoraBatchMeta),
 lora_pool (the pools and their row allocator), peft_config (adapter_config.json and its refusals), peft_targets
 (which modules a config selects, as PEFT matches them), peft_loader (the weights), model_spec (the model's LoRA
-modules), adapter_paths (names and paths under the adapter roots).
+modules), adapter_paths (names and paths under the adapter roots), adapter_sources (adapters fetched on first use
+from URI prefixes) and adapter_cache (their local disk cache), lora_stats (what the registry reports for metrics).
 """
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.adapter_registry import AdapterRef, AdapterRegistry, build_lora_meta

@@ -11,6 +11,13 @@ Lifecycle of a version (one per load/reload of a name; `version` is unique per v
   is read again on next use (refused if the files changed in between: reload picks up new weights).
   unload/reload make the old version stale; it is freed when its last ref is released.
 
+Adapters not on local disk (loom.lora.adapter_sources says how a request names one): with adapter_sources set, a
+name missing from the adapter roots, or a `lora_path` URI under a source, makes a version whose config is not known
+yet; the loader thread looks it up, fetches it into the local cache (once: later reads, and other versions, find it
+there; a reload fetches afresh), reads its config and weights, and publishes it or its error as for a local one
+(a request then fails with "lora_name: <why>"). A version dropped from host memory is read from the cache again,
+fetched again if the cache dropped it.
+
 Request flow (engine):
   ref = reg.acquire(name)           # at add_request; RequestError("lora_name", ...) if unknown/bad
   if ref.error: fail the request     # a background load failed
@@ -28,6 +35,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -38,9 +46,11 @@ from loom.errors import RequestError
 from loom.kernels.cpu_ext import serial_thread
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
+from loom.lora.adapter_sources import AdapterSources, is_uri
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
 from loom.lora.batch_meta import build_lora_meta
 from loom.lora.lora_pool import LoraPool
+from loom.lora.lora_stats import DISK_TO_HOST, HOST_TO_DEVICE, REMOTE_TO_HOST, LoadLog, LoraStats
 from loom.lora.model_spec import EXPERT_PROJS
 from loom.lora.peft_loader import (
     AdapterConfigInfo,
@@ -85,6 +95,9 @@ class AdapterRegistry:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
                                             initializer=_loader_thread, initargs=(self.device,))
         self.num_disk_loads = 0
+        self.sources = (AdapterSources(config.adapter_sources, config.adapter_cache_dir, config.adapter_cache_bytes)
+                        if config.adapter_sources else None)
+        self.load_log = LoadLog()
 
     # ------------------------------------------------------------------ properties
 
@@ -128,7 +141,8 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ management API
 
     def load(self, name: str, path: str | None = None, wait: bool = True):
-        """Load a new adapter name from `path` (inside an adapter root; default `<root>/<name>`).
+        """Load a new adapter name from `path` (inside an adapter root, or a URI under an adapter source; default
+        `<root>/<name>`, else `<source>/<name>`).
 
         Config problems raise RequestError at once. With wait=True returns the info dict (weight problems
         raise RequestError("lora_path", ...)); with wait=False returns a Future of it (do not block the loop
@@ -138,10 +152,11 @@ class AdapterRegistry:
         with self._lock:
             if name in self._names or name in self._reloading:
                 raise RequestError("lora_name", f"adapter {name!r} is already loaded (use reload to replace it)")
-            real = resolve_adapter_path(path if path is not None else name, self.roots,
-                                        "lora_path" if path is not None else "lora_name")
-            cfg, ranks = self._read_config(real, name, "lora_path")
-            v = self._new_version(name, real, cfg, ranks, "load")
+            if path is None and self.sources is not None and self._resolve_first_use(name) is None:
+                v = self._new_version(name, "", None, [0, 0], "load")  # the loader looks it up under the sources
+            else:
+                v = self._new_version_at(name, path if path is not None else name,
+                                         "lora_path" if path is not None else "lora_name", "load")
             self._names[name] = v
             fut = self._start_load(v)
         return fut.result() if wait else fut
@@ -156,9 +171,8 @@ class AdapterRegistry:
                 raise RequestError("lora_name", f"adapter {name!r} is not loaded")
             if cur.pending_kind == "load" or name in self._reloading:
                 raise RequestError("lora_name", f"adapter {name!r} is still loading; retry when done")
-            real = resolve_adapter_path(path if path is not None else cur.path, self.roots, "lora_path")
-            cfg, ranks = self._read_config(real, name, "lora_path")
-            v = self._new_version(name, real, cfg, ranks, "reload")
+            v = self._new_version_at(name, path if path is not None else (cur.source or cur.path), "lora_path",
+                                     "reload")
             self._reloading[name] = v
             fut = self._start_load(v)
         return fut.result() if wait else fut
@@ -206,6 +220,23 @@ class AdapterRegistry:
             out.update(self.residency.info())
             return out
 
+    def stats(self) -> LoraStats:
+        """The tiers' sizes and counters, and the recent load latencies (loom.lora.lora_stats); one pass over the
+        versions."""
+        with self._lock:
+            device = host = host_bytes = 0
+            for v in self._versions:
+                if v.resident:
+                    device += 1
+                elif v.host is not None:
+                    host += 1
+                    host_bytes += v.host.nbytes
+            cache = self.sources.cache if self.sources is not None else None
+            return LoraStats(device_adapters=device, host_adapters=host, host_bytes=host_bytes,
+                             device_evictions=self.num_evictions, host_evictions=self.residency.host_evictions,
+                             cache_bytes=cache.bytes if cache else 0, cache_evictions=cache.evictions if cache else 0,
+                             remote_fetches=cache.fetches if cache else 0, loads=self.load_log.recent())
+
     def wait_for_loads(self, timeout: float | None = None) -> bool:
         """Block until some background load finishes (or timeout); True if none is in flight afterwards.
         For an engine loop with nothing runnable but requests waiting on adapter loads."""
@@ -231,8 +262,11 @@ class AdapterRegistry:
             v = self._names.get(name)
             if v is None:
                 real = self._resolve_first_use(name)
-                cfg, ranks = self._read_config(real, name, "lora_name")
-                v = self._new_version(name, real, cfg, ranks, "load")
+                if real is None:  # not under the roots: the loader looks it up under the adapter sources
+                    v = self._new_version(name, "", None, [0, 0], "load")
+                else:
+                    cfg, ranks = self._read_config(real, name, "lora_name")
+                    v = self._new_version(name, real, cfg, ranks, "load")
                 self._names[name] = v
                 self._start_load(v)
             elif v.host is None and not v.resident and not v.loading:
@@ -255,8 +289,10 @@ class AdapterRegistry:
                     if v.error is not None and not v.loading:
                         raise RequestError("lora_name", v.error)
                     return False
+                t0 = time.perf_counter()
                 if not self.residency.place(v):
                     return False  # rows taken in the other space stay cached (evictable, not pinned)
+                self.load_log.record(HOST_TO_DEVICE, time.perf_counter() - t0)
                 self.residency.trim_host()
             v.active += 1
             ref.active = True
@@ -309,18 +345,33 @@ class AdapterRegistry:
             raise RequestError(field_name, err)
         return cfg, ranks
 
-    def _resolve_first_use(self, name: str) -> str:
-        if not self.roots:
-            raise RequestError("lora_name",
-                               f"unknown adapter {name!r} (not loaded, and no adapter_roots are configured)")
+    def _resolve_first_use(self, name: str) -> str | None:
+        """The local folder of `name` under the roots; None: not there, to be looked up under the sources."""
+        if not self.roots and self.sources is None:
+            raise RequestError("lora_name", f"unknown adapter {name!r} (not loaded, and no adapter_roots or "
+                               f"adapter_sources are configured)")
         found = any(os.path.isdir(os.path.join(r, name)) for r in self.roots)
-        if not found:
-            raise RequestError("lora_name", f"unknown adapter {name!r}: not loaded, and no directory of that name "
-                               f"under the adapter roots")
-        return resolve_adapter_path(name, self.roots, "lora_name")
+        if found:
+            return resolve_adapter_path(name, self.roots, "lora_name")
+        if self.sources is not None:
+            return None
+        raise RequestError("lora_name", f"unknown adapter {name!r}: not loaded, and no directory of that name "
+                           f"under the adapter roots")
 
-    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo, ranks: list[int], kind: str) -> AdapterVersion:
-        v = AdapterVersion(name, path, next(self._version_ids), cfg, ranks, kind)
+    def _new_version_at(self, name: str, path: str, field_name: str, kind: str) -> AdapterVersion:
+        """A version to load from a local path (its config read and checked now) or from a URI under an adapter
+        source (checked now, no I/O: the loader fetches it and reads its config)."""
+        if is_uri(path):
+            if self.sources is None:
+                raise RequestError(field_name, f"{path!r} is a URI, and no adapter_sources are configured")
+            return self._new_version(name, "", None, [0, 0], kind, source=self.sources.check(path, field_name))
+        real = resolve_adapter_path(path, self.roots, field_name)
+        cfg, ranks = self._read_config(real, name, "lora_path")
+        return self._new_version(name, real, cfg, ranks, kind)
+
+    def _new_version(self, name: str, path: str, cfg: AdapterConfigInfo | None, ranks: list[int], kind: str,
+                     source: str = "") -> AdapterVersion:
+        v = AdapterVersion(name, path, next(self._version_ids), cfg, ranks, kind, source)
         self._versions.add(v)
         self._touch(v)
         return v
@@ -332,18 +383,35 @@ class AdapterRegistry:
         self._executor.submit(self._load_job, v, fut)
         return fut
 
+    def _fetch(self, v: AdapterVersion) -> tuple[str, str, AdapterConfigInfo, bool]:
+        """Loader thread: (source URI, local folder, config, transferred) of a version to read from the adapter
+        sources; the config checked as a local adapter's is at load."""
+        source = v.source or self.sources.find(v.name)
+        fetches = self.sources.cache.fetches  # the loader is the cache's only user in this process
+        path = self.sources.fetch(source, refresh=v.pending_kind == "reload")
+        cfg = v.config if v.config is not None else self._read_config(path, v.name, "lora_path")[0]
+        return source, path, cfg, self.sources.cache.fetches != fetches
+
     def _load_job(self, v: AdapterVersion, fut: Future) -> None:
         w, err = None, None
+        t0 = time.perf_counter()
+        source, path, cfg, tier = v.source, v.path, v.config, DISK_TO_HOST
         try:
-            w = load_peft_adapter(v.path, v.name, self.spec, self.dtype, self.max_lora_rank,
-                                  config=v.config, pin_memory=self._pin)
+            if v.source or not v.path:
+                source, path, cfg, fetched = self._fetch(v)
+                tier = REMOTE_TO_HOST if fetched else DISK_TO_HOST
+            w = load_peft_adapter(path, v.name, self.spec, self.dtype, self.max_lora_rank,
+                                  config=cfg, pin_memory=self._pin)
         except AdapterLoadError as e:
             err = str(e)
+        except RequestError as e:  # a fetched adapter's config or URI refused as a local one's would be
+            err = str(e).removeprefix(f"{e.field}: ")
         except Exception as e:  # noqa: BLE001 - report, never kill the loader thread
             err = f"adapter {v.name!r}: unexpected error while loading: {e!r}"
         with self._cond:
             if err is None and v.content_hash and w.content_hash != v.content_hash:
-                err = (f"adapter {v.name!r}: its files in {v.path} changed on disk since it was loaded; "
+                err = (f"adapter {v.name!r}: its files {f'at {source}' if source else f'in {path}'} changed on disk "
+                       f"since it was loaded; "
                        f"call reload({v.name!r}) to serve the new weights")
                 w = None
             ranks = [pool.rank_of(w) for pool in self.pools] if err is None else []
@@ -362,6 +430,8 @@ class AdapterRegistry:
                 v.pending_kind = ""
                 self.residency.maybe_free(v)
             else:
+                self.load_log.record(tier, time.perf_counter() - t0)
+                v.source, v.path, v.config = source, path, cfg
                 v.host, v.rank, v.ranks, v.scaling = w, w.rank, ranks, w.scaling
                 v.content_hash, v.targets, v.error = w.content_hash, w.target_modules, None
                 if v.pending_kind == "reload" and self._reloading.get(v.name) is v:
@@ -385,6 +455,7 @@ class AdapterRegistry:
         return {
             "name": v.name,
             "path": v.path,
+            "source": v.source,  # the URI of a fetched adapter, "" for a local one
             "version": v.version,
             "rank": v.rank,
             "scaling": v.scaling,

@@ -22,19 +22,22 @@ SPACE_FIELDS = ("lora_memory_bytes", "lora_expert_memory_bytes")  # the EngineCo
 
 
 class AdapterVersion:
-    __slots__ = ("name", "path", "version", "config", "rank", "ranks", "scaling", "host", "loading", "error",
-                 "refcount", "active", "rows", "last_used", "stale", "content_hash", "targets",
+    __slots__ = ("name", "path", "source", "version", "config", "rank", "ranks", "scaling", "host", "loading",
+                 "error", "refcount", "active", "rows", "last_used", "stale", "content_hash", "targets",
                  "pending_kind", "future")
 
-    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo, ranks: list[int],
-                 pending_kind: str):
+    def __init__(self, name: str, path: str, version: int, config: AdapterConfigInfo | None, ranks: list[int],
+                 pending_kind: str, source: str = ""):
         self.name = name
-        self.path = path
+        self.path = path  # the local folder read ("" until a remote adapter is first fetched)
+        # a fetched adapter's URI (loom.lora.adapter_sources); "" = local, or, with no path either, not known yet:
+        # the loader looks its name up under the adapter sources
+        self.source = source
         self.version = version
-        self.config = config
-        self.rank = config.max_rank  # largest module rank; final once loaded
+        self.config = config  # None until the loader has fetched a remote adapter and read its config
+        self.rank = config.max_rank if config else 0  # largest module rank; final once loaded
         self.ranks = list(ranks)  # rows per space (0 = targets nothing there); final once loaded
-        self.scaling = config.scaling_for(config.r, config.lora_alpha)
+        self.scaling = config.scaling_for(config.r, config.lora_alpha) if config else 0.0
         self.host: AdapterWeights | None = None
         self.loading = False
         self.error: str | None = None
@@ -50,8 +53,8 @@ class AdapterVersion:
 
     @property
     def resident(self) -> bool:
-        """Rows in every space it targets (what a step needs)."""
-        return all(start >= 0 for start, rank in zip(self.rows, self.ranks) if rank)
+        """Rows in every space it targets (what a step needs); never while its ranks are unknown (being fetched)."""
+        return any(self.ranks) and all(start >= 0 for start, rank in zip(self.rows, self.ranks) if rank)
 
     @property
     def state(self) -> str:

@@ -6,8 +6,10 @@ Row spaces: the dense groups (attention, dense MLP; pools sized by lora_memory_b
 targets a group there, as many as its largest module rank in that space (known from its config before loading);
 allocation (first fit, else compaction, else eviction of the least recently used unpinned holder) runs per space,
 so making room in one space never drops the other's rows. A version is device-resident when it has rows in every
-space it targets. Host tier: at most max_host_adapters versions that are not device-resident keep their weights in
-host memory; the least recently used ones no request holds are dropped (read from disk again on next use).
+space it targets. Host tier: at most max_host_adapters versions that are not device-resident, of at most
+max_host_adapter_bytes of weights together (when set), keep their weights in host memory; the least recently used
+ones no request holds are dropped (read from disk again on next use). Device-resident versions keep their host copy
+too, outside these bounds: the device pools bound them.
 Stale versions (unloaded or replaced) are freed here once no request holds them.
 
 Not thread-safe by itself: the registry calls every method under its lock, on the engine's loop thread or (to
@@ -29,6 +31,7 @@ class RowResidency:
                  dtype: torch.dtype):
         self.config = config
         self.max_host_adapters = int(config.max_host_adapters)
+        self.max_host_bytes = int(config.max_host_adapter_bytes)  # 0: the count alone
         pools = []
         for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
             sub = spec.space(expert=space == EXPERT)
@@ -40,6 +43,7 @@ class RowResidency:
         self.versions: set[AdapterVersion] = set()
         self.evictions = [0, 0]  # per space
         self.compactions = [0, 0]
+        self.host_evictions = 0  # host copies dropped by trim_host
 
     def room_error(self, name: str, ranks: list[int]) -> str | None:
         """Why rows of these ranks can never fit their spaces, naming the config field to raise; None if they can."""
@@ -78,15 +82,26 @@ class RowResidency:
             v.host = None
             self.versions.discard(v)
 
+    def host_tier(self) -> list[AdapterVersion]:
+        """The versions in host memory only (what the host bounds apply to)."""
+        return [v for v in self.versions if v.host is not None and not v.resident]
+
     def trim_host(self) -> None:
-        """Keep at most max_host_adapters versions in host memory that are not device-resident; drop the
-        least recently used ones no request holds (they are read from disk again on next use)."""
-        held = [v for v in self.versions if v.host is not None and not v.resident]
+        """Keep at most max_host_adapters versions, of at most max_host_adapter_bytes (if set), in host memory that
+        are not device-resident; drop the least recently used ones no request holds (they are read from disk again
+        on next use). Held ones stay even beyond the bounds."""
+        held = self.host_tier()
         over = len(held) - self.max_host_adapters
-        if over <= 0:
+        over_bytes = sum(v.host.nbytes for v in held) - self.max_host_bytes if self.max_host_bytes else 0
+        if over <= 0 and over_bytes <= 0:
             return
-        for v in sorted((v for v in held if v.refcount == 0 and not v.loading), key=lambda x: x.last_used)[:over]:
+        for v in sorted((v for v in held if v.refcount == 0 and not v.loading), key=lambda x: x.last_used):
+            if over <= 0 and over_bytes <= 0:
+                break
+            over -= 1
+            over_bytes -= v.host.nbytes
             v.host = None
+            self.host_evictions += 1
             self.maybe_free(v)
 
     def info(self) -> dict:

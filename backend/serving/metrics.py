@@ -10,6 +10,10 @@ Two name sets, chosen by config (`metrics`, `vllm_metrics` / vllm_backend's REPO
   is the time of its last update. That one series is replaced whenever its adapter sets change, so the endpoint
   shows the current sets only: a MetricFamily keeps every Metric it made until the family itself is deleted, so
   the family is deleted (taking the old series with it) and made again with the new labels.
+* loom_lora_*, for routers and dashboards of many adapters (in the loom set): requests running / waiting per adapter
+  (`lora_name`; series only for adapters with requests, replaced like vllm:lora_requests_info's), the latency of
+  adapter loads by `tier` (disk_to_host, remote_to_host, host_to_device: loom.lora.lora_stats), adapters and bytes
+  per memory tier, evictions per tier (device, host, cache), fetches from the adapter sources.
 
 `pb_utils` is passed in (only backend/model.py imports triton_python_backend_utils) and the families
 must be created inside `initialize()`. Each metric call is an IPC round trip to the server, so the
@@ -30,6 +34,7 @@ import traceback
 from typing import Sequence
 
 from loom.engine.outputs import EngineStats
+from loom.lora.lora_stats import LOAD_TIERS, LoraStats
 from loom.serving.async_engine import RequestTiming
 
 log = logging.getLogger("loom.metrics")
@@ -47,6 +52,9 @@ VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
 # vllm:lora_requests_info's value (the time of its last update) is refreshed at most this often while its labels stay
 LORA_INFO_REFRESH_S = 1.0
+# adapter loads: a host -> device copy takes ~1 ms, a fetch from remote storage seconds
+LORA_LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+LORA_EVICTION_TIERS = ("device", "host", "cache")
 
 
 def buckets_1_2_5(limit: int) -> list[float]:
@@ -107,6 +115,23 @@ class LoomMetrics:
                                     "Prompt tokens served from the prefix cache / prompt tokens.")
             self.adapters = gauge("loom_resident_adapters", "LoRA adapters resident in device memory.")
             self.preemptions = gauge("loom_num_preemptions", "Preemptions since start.")
+            self.lora_running = _SeriesSet(MF, "loom_lora_requests_running", "Requests running, per LoRA adapter.")
+            self.lora_waiting = _SeriesSet(MF, "loom_lora_requests_waiting", "Requests waiting, per LoRA adapter.")
+            loads = family("loom_lora_load_seconds", "Adapter load latency, by the tiers it moves between.",
+                           MF.HISTOGRAM)
+            self.lora_loads = {t: loads.Metric(labels={**labels, "tier": t}, buckets=LORA_LOAD_BUCKETS)
+                               for t in LOAD_TIERS}
+            tiers = family("loom_lora_adapters", "LoRA adapters per memory tier (host: evicted from the device).",
+                           MF.GAUGE)
+            self.lora_tiers = {t: tiers.Metric(labels={**labels, "tier": t}) for t in ("device", "host")}
+            self.lora_host_bytes = gauge("loom_lora_host_bytes", "Bytes of the LoRA adapters in the host tier.")
+            self.lora_cache_bytes = gauge("loom_lora_cache_bytes", "Bytes of the fetched adapters' local cache.")
+            evictions = family("loom_lora_evictions_total", "LoRA adapters evicted, by tier (device: rows taken "
+                               "for another; host: dropped to disk; cache: dropped from the local cache).", MF.COUNTER)
+            self.lora_evictions = {t: evictions.Metric(labels={**labels, "tier": t}) for t in LORA_EVICTION_TIERS}
+            self.lora_fetches = counter("loom_lora_fetches_total", "Adapters transferred from the adapter sources.")
+            self._lora_seen = LoraStats()  # the counters and the last load already exported
+            self._lora_load_seq = 0
         if self.vllm:
             self.v_prompt = counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
             self.v_gen = counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
@@ -129,10 +154,8 @@ class LoomMetrics:
             self.v_cache_info = family("vllm:cache_config_info", "Information of the KV cache configuration.",
                                        MF.GAUGE).Metric(labels={**labels, **info})
             self.v_cache_info.set(1.0)
-            self._lora_family = None
+            self._lora_info = _SeriesSet(MF, "vllm:lora_requests_info", "Running stats on lora requests.")
             self._lora_prefix = lora_info_prefix
-            self._lora_metric = None
-            self._lora_labels: dict[str, str] | None = None
             self._lora_set_at = 0.0
 
         self.interval_s = interval_s
@@ -216,6 +239,30 @@ class LoomMetrics:
             self._set(self.prefix_hit, float(stats.prefix_hit_rate))
             self._set(self.adapters, float(stats.resident_adapters))
             self._set(self.preemptions, float(stats.num_preemptions))
+            self._apply_lora(stats)
+
+    def _apply_lora(self, stats: EngineStats) -> None:
+        for series, counts in ((self.lora_running, stats.running_adapters),
+                               (self.lora_waiting, stats.waiting_adapters)):
+            self._replace(series, {n: {**self.labels, "lora_name": n} for n in counts})
+            for n, c in counts.items():
+                self._set(series.series[n], float(c))
+        lora, seen = stats.lora, self._lora_seen
+        for x in lora.loads:
+            if x.seq > self._lora_load_seq:
+                self.lora_loads[x.tier].observe(max(0.0, x.seconds))
+                self._lora_load_seq = x.seq
+        self._set(self.lora_tiers["device"], float(lora.device_adapters))
+        self._set(self.lora_tiers["host"], float(lora.host_adapters))
+        self._set(self.lora_host_bytes, float(lora.host_bytes))
+        self._set(self.lora_cache_bytes, float(lora.cache_bytes))
+        for metric, now, before in ((self.lora_evictions["device"], lora.device_evictions, seen.device_evictions),
+                                    (self.lora_evictions["host"], lora.host_evictions, seen.host_evictions),
+                                    (self.lora_evictions["cache"], lora.cache_evictions, seen.cache_evictions),
+                                    (self.lora_fetches, lora.remote_fetches, seen.remote_fetches)):
+            if now > before:  # counters only ever get positive increments
+                metric.increment(now - before)
+        self._lora_seen = lora
 
     def _apply_vllm(self, stats: EngineStats | None, prompt: int, gen: int, done: list[RequestTiming],
                     itl: list[float]) -> None:
@@ -251,21 +298,22 @@ class LoomMetrics:
         labels = {**self.labels, "max_lora": str(stats.max_loras),
                   "running_lora_adapters": names(stats.running_adapters),
                   "waiting_lora_adapters": names(stats.waiting_adapters)}
-        if labels != self._lora_labels:
-            if self._lora_family is not None:  # drop the old series: the family's deletion clears its metrics
-                self._families.remove(self._lora_family)
-                self._lora_metric = self._lora_family = None
-            MF = self._MF
-            self._lora_family = MF(name="vllm:lora_requests_info", description="Running stats on lora requests.",
-                                   kind=MF.GAUGE)
-            self._families.append(self._lora_family)
-            self._lora_metric = self._lora_family.Metric(labels=labels)
-            self._lora_labels = labels
+        if self._replace(self._lora_info, {"": labels}):
             self._lora_set_at = 0.0
         now = time.time()
         if now - self._lora_set_at >= LORA_INFO_REFRESH_S:  # the time of the last update, to the second
-            self._lora_metric.set(now)
+            self._lora_info.series[""].set(now)
             self._lora_set_at = now
+
+    def _replace(self, series: "_SeriesSet", label_sets: dict[str, dict[str, str]]) -> bool:
+        """series.replace, forgetting the values last set on the series it drops (a new Metric may get an old one's
+        id)."""
+        if series.labels == label_sets:
+            return False
+        for metric in series.series.values():
+            self._last.pop(id(metric), None)
+        series.replace(label_sets)
+        return True
 
     def close(self, timeout: float = 2.0) -> None:
         with self._cond:
@@ -274,6 +322,30 @@ class LoomMetrics:
         self._thread.join(timeout)
         # Metric objects must go before their families (the server refuses the other order).
         for name in [k for k, v in vars(self).items() if k not in ("_families", "_thread", "_cond", "labels")
-                     and (hasattr(v, "increment") or isinstance(v, dict) and k == "finished")]:
+                     and (hasattr(v, "increment") or isinstance(v, dict) and any(hasattr(x, "increment")
+                                                                                 for x in v.values()))]:
             delattr(self, name)
+        for v in list(vars(self).values()):
+            if isinstance(v, _SeriesSet):
+                v.replace({})
         self._families.clear()
+
+
+class _SeriesSet:
+    """A gauge family whose series are replaced as a whole when their label sets change: a MetricFamily keeps every
+    Metric it made until the family itself is deleted, so the family is deleted (its series with it) and made again
+    with the new ones (none while there are none)."""
+
+    def __init__(self, MF, name: str, description: str):
+        self._MF, self.name, self.description = MF, name, description
+        self._family = None
+        self.labels: dict[str, dict[str, str]] = {}  # key -> the labels of its series
+        self.series: dict = {}  # key -> Metric
+
+    def replace(self, label_sets: dict[str, dict[str, str]]) -> None:
+        self.series = {}  # Metric objects go before their family
+        self._family = None
+        if label_sets:
+            self._family = self._MF(name=self.name, description=self.description, kind=self._MF.GAUGE)
+            self.series = {k: self._family.Metric(labels=lab) for k, lab in label_sets.items()}
+        self.labels = dict(label_sets)

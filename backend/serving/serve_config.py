@@ -126,7 +126,8 @@ def _convert(key: str, typ: str, raw: str, base_dir: str):
         if typ == "bool":
             return to_bool(key, raw)
         if typ == "list[str]":
-            return [_path(p.strip(), base_dir) for p in raw.split(",") if p.strip()]
+            # URIs (adapter_sources) stay as given; paths are relative to the model's folder
+            return [p.strip() if "://" in p else _path(p.strip(), base_dir) for p in raw.split(",") if p.strip()]
         return raw
     except RequestError as e:
         raise ConfigError(key, str(e).split(": ", 1)[1]) from None

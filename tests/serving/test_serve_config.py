@@ -94,3 +94,12 @@ def test_model_load_warns_once_in_tritons_log(model_py, tmp_path):
     with pytest.raises(ModelLoadError):
         module.TritonPythonModel().initialize(args)
     assert warned == [f"[loom] {model_json_warning(str(tmp_path), 1)}"]
+
+
+def test_list_parameters_keep_uris_and_resolve_paths(tmp_path):
+    """adapter_sources' URIs pass through as given; adapter_roots' relative paths are under the model's folder."""
+    (tmp_path / "adapters").mkdir()
+    cfg = parse_model_parameters({"adapter_sources": {"string_value": "file:///srv/a, memory://bucket/x"},
+                                  "adapter_roots": {"string_value": "adapters"}}, str(tmp_path))
+    assert cfg.engine.adapter_sources == ["file:///srv/a", "memory://bucket/x"]
+    assert cfg.engine.adapter_roots == [str(tmp_path / "adapters")]
