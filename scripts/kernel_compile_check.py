@@ -21,14 +21,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loom.kernels import activation, kv_store, lora, moe, norm, rotary  # noqa: E402
+from loom.kernels import activation, fp8_gemm, kv_store, lora, moe, norm, quant_gemm, rotary  # noqa: E402
 
 # loom.kernels re-exports functions of the same names as these modules: import the modules by path
 pda = importlib.import_module("loom.kernels.paged_decode_attention")
 ppa = importlib.import_module("loom.kernels.paged_prefill_attention")
 
 _TY = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-       torch.int64: "*i64"}
+       torch.int64: "*i64", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
 TARGETS = (GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -85,7 +85,7 @@ class _Compiler:
         return launch
 
 
-for mod in (kv_store, activation, norm, rotary, lora, moe, pda, ppa):
+for mod in (kv_store, activation, norm, rotary, lora, moe, pda, ppa, quant_gemm, fp8_gemm):
     for k, v in list(vars(mod).items()):
         if isinstance(v, triton.runtime.jit.JITFunction) and k.endswith("_kernel"):  # launched ones only
             setattr(mod, k, _Compiler(v))
@@ -147,6 +147,24 @@ def _lora(dt):
                             torch.zeros(20, 128, dtype=dt))
 
 
+def _quant_a16(dt):
+    from harness.quant_checkpoints import launch_quant_kernels
+
+    launch_quant_kernels(dt, a16=True, w8a8=False)  # int4 / int8 / fp8 weight-only: every target
+
+
+def _quant_w8a8(dt):
+    """FP8 W8A8 needs FP8 tensor cores: compiled for the sm_89+ targets only (fp8_gemm.check_w8a8 refuses below)."""
+    from harness.quant_checkpoints import launch_quant_kernels
+
+    saved = targets[:]
+    targets[:] = [t for t in saved if t.arch >= 89]
+    try:
+        launch_quant_kernels(dt, a16=False, w8a8=True)
+    finally:
+        targets[:] = saved
+
+
 GROUPS = {
     "small": _small,  # store_kv, activations, norm, rotary
     "decode": lambda dt: _attention(dt, SERVING_HEADS, prefill=False),
@@ -154,6 +172,8 @@ GROUPS = {
     "attention_edge": lambda dt: _attention(dt, ((8, 2, 16),)),  # head_dim 8: tl.dot K >= 16 by padding
     "moe": _moe,
     "lora": _lora,
+    "quant_a16": _quant_a16,  # quantized GEMMs, weight-only (W4A16 / W8A16 / FP8 A16)
+    "quant_w8a8": _quant_w8a8,  # FP8 W8A8: dynamic activation quantisation + fp8 dot (sm_90 only here)
 }
 SERVING = ("decode", "prefill", "moe")  # the kernels whose registers and spills matter for throughput
 

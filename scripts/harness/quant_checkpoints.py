@@ -199,3 +199,63 @@ def make_packed_checkpoint(arch: str, root, method: str, name: str, pack_kw: dic
         qc = dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=list(pack_kw.get("block",
                                                                                                        (128, 128))))
     return model, _save(model, os.path.join(str(root), name), state, qc)
+
+
+# ---- QuantizedWeight inputs for the quantized GEMM kernels (loom.kernels.quant_gemm / fp8_gemm) ----
+
+def int_weight(w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True, desc_act: bool = False,
+               seed: int = 0):
+    """One linear weight [out, in] as loom's loader holds a GPTQ checkpoint of it: gptq_pack (group_size -1: one
+    group per channel), read by the GPTQ reader; symmetric without zero points (as compressed-tensors' symmetric
+    schemes are read; the same weight: GPTQ's symmetric zero point is 2**(bits - 1)). An input width GPTQ cannot
+    pack (not a multiple of 32 / bits) is zero-padded for packing and cut back (its word's tail is never read)."""
+    from loom.models.quant.gptq import Gptq
+    from loom.models.quant.weight import QuantizedWeight
+
+    out, inp = w.shape
+    pad = -inp % (32 // bits)
+    assert not (pad and desc_act), "act-order groups over padded columns would not match the unpadded weight"
+    parts = gptq_pack(torch.nn.functional.pad(w, (0, pad)), bits=bits, group_size=group_size, sym=sym,
+                      desc_act=desc_act, seed=seed)
+    qw = Gptq(bits, None if group_size == -1 else group_size, desc_act, sym, 1).read("w", parts)
+    qw = QuantizedWeight(shape=(out, inp), kind="int", bits=bits, weight=qw.weight, scale=qw.scale,
+                         zero=None if sym else qw.zero, group_size=qw.group_size,
+                         g_idx=None if qw.g_idx is None else qw.g_idx[:inp])
+    qw.validate()
+    return qw
+
+
+def fp8_weight(w: torch.Tensor, granularity: str = "block", block=(128, 128)):
+    """One linear weight [out, in] as an FP8 QuantizedWeight, by fp8_block_pack: `block` (HF fine-grained),
+    `channel` (one scale per output row) or `tensor` (one scale)."""
+    from loom.models.quant.weight import QuantizedWeight
+
+    out, inp = w.shape
+    shape = {"block": block, "channel": (1, inp), "tensor": (out, inp)}[granularity]
+    parts = fp8_block_pack(w, shape)
+    qw = QuantizedWeight(shape=(out, inp), kind="fp8", bits=8, weight=parts["weight"],
+                         scale=parts["weight_scale_inv"], block=tuple(block) if granularity == "block" else None)
+    qw.validate()
+    return qw
+
+
+def launch_quant_kernels(dtype: torch.dtype, a16: bool = True, w8a8: bool = True) -> None:
+    """Launch the quantized-GEMM kernel variants on CPU tensors of serving-like shapes, at decode and prefill batch
+    sizes: for scripts/kernel_compile_check.py, which intercepts the launches and compiles them. a16: the weight-only
+    paths (int4 / int8 / fp8 weights, any GPU); w8a8: the FP8 W8A8 path (FP8 tensor cores: compile it for sm_89+
+    targets only)."""
+    from loom.kernels import fp8_gemm, quant_gemm
+
+    N, K = 256, 512
+    w = torch.randn(N, K) * 0.05
+    fp8s = [fp8_weight(w, g) for g in ("block", "channel", "tensor")]
+    # tile-constant groups / act-order gather / per channel / groups narrower than the tile
+    ints = [int_weight(w, 4, 128, sym=True), int_weight(w, 4, 128, sym=False, desc_act=True),
+            int_weight(w, 8, -1, sym=False), int_weight(w, 4, 32, sym=True)] if a16 else []
+    bias = torch.zeros(N, dtype=dtype)
+    for M in (1, 300):
+        x = torch.zeros(M, K, dtype=dtype)
+        for qw in ints + (fp8s if a16 else []):
+            quant_gemm.quant_gemm_triton(x, qw, bias)
+        for qw in fp8s if w8a8 else []:
+            fp8_gemm.fp8_gemm_triton(x, qw, bias, capability=(9, 0))
