@@ -1,8 +1,8 @@
 """OpenAI Triton kernels for loom's hot paths, each beside a plain-PyTorch reference of the same signature.
 
-`kernels.dispatch` is the one place that decides which implementation runs: the Triton kernel for CUDA
-tensors; on CPU loom's C++ kernels (kernels/cpu_*.py) where they apply, the reference otherwise (or the Triton
-kernel under TRITON_INTERPRET=1 when forced for tests).
+Where they run is decided in `kernels.policy` (Triton on CUDA, or everywhere with LOOM_FORCE_TRITON=1 under
+TRITON_INTERPRET=1 for tests; on CPU loom's C++ kernels, kernels/cpu_*.py, where they built; the references
+otherwise), once per engine; `kernels.dispatch` applies it to each op, with the C++ kernel only for tensors it takes.
 
 This folder is `loom.kernels`. Python started in the repository's root (`python -c`, a script or notebook there)
 finds it as a top-level `kernels` too, the name of the Hugging Face package that transformers (>= 5.25) imports; found

@@ -199,6 +199,12 @@ def load():
         return build(native_isa())
 
 
+def built():
+    """The library this machine builds, as load() returns it, whatever LOOM_CPU_KERNELS says now: for the kernels'
+    wrappers, which run where kernels/policy.py found it loaded, and for weights packed while it was."""
+    return build(native_isa())
+
+
 def describe() -> str:
     """One line for the engine's start: which CPU path runs and why."""
     if not enabled():

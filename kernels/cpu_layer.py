@@ -4,8 +4,8 @@ activation), with the same arguments in the same order, so the same bits, withou
 them.
 
 `LayerArgs` holds one layer's weights, caches and pools as the C++ side reads them (made once, again when a pointer
-changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Which layers take
-this path is models/layer_pass.py's decision.
+changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Whether an engine
+runs it is kernels/policy.py's decision (layer_pass), which layers take it models/layer_pass.py's.
 """
 from __future__ import annotations
 

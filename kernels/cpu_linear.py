@@ -71,14 +71,9 @@ class PackedWeight:
                                  self.lib)
 
 
-def _packed_lib():
-    """The library the panels are packed for (built when they were packed, whatever LOOM_CPU_KERNELS says now)."""
-    return cpu_ext.build(cpu_ext.native_isa())
-
-
 def panel_width() -> int:
     """Columns per packed panel: the register tile's width in the library this machine builds."""
-    return _packed_lib().loom_gemm_panel_width()
+    return cpu_ext.built().loom_gemm_panel_width()
 
 
 def block_rows(k: int) -> int:
@@ -95,7 +90,7 @@ def row_block(m: int, k: int) -> int:
 def linear_packed(x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor],
                   out_features: int) -> torch.Tensor:
     """x [..., K] float32 -> [..., N] with W packed into `panels` (PackedWeight)."""
-    return gemm(_packed_lib(), x, panels, bias, out_features)
+    return gemm(cpu_ext.built(), x, panels, bias, out_features)
 
 
 def gemm(lib, x: torch.Tensor, panels: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ Tiles of up to 32 tokens of one adapter group are the work items, in parallel: e
 of A and B in place in the pools once, and keeps the rank-space products in scratch (no [tokens, rank] buffer
 through memory, no gathered copy of x, no [tokens, out] delta). A decode step with one token per adapter and a
 prefill chunk of 2,048 tokens on one adapter take the same path. Same result as lora_shrink_ref followed by
-lora_expand_ref; anything the C++ kernel does not take runs those references.
+lora_expand_ref, which kernels/dispatch.py runs for what `takes` refuses.
 
 A layer whose weight is packed for the C++ GEMM (kernels/cpu_linear.py) calls linear_lora_cpu instead: the GEMM
 adds the deltas of groups of FUSE_MIN_TOKENS or more tokens to its output tiles while they are in cache (a
@@ -21,7 +21,6 @@ import torch
 
 from loom.kernels import cpu_ext
 from loom.kernels.cpu_linear import gemm, row_block
-from loom.kernels.lora import lora_expand_ref, lora_shrink_ref
 
 # groups of at least this many tokens get their deltas in the GEMM's output tiles (fewer: their own pass)
 FUSE_MIN_TOKENS = 16
@@ -47,10 +46,10 @@ def offsets_tensor(slice_offsets: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(slice_offsets, dtype=torch.int64)
 
 
-def _takes(lib, x, lora_a, lora_b, y=None) -> bool:
+def takes(x, lora_a, lora_b, y=None) -> bool:
     """Whether the C++ LoRA kernels take these tensors (x and y float32 CPU with contiguous rows, pools in rows of
     an element type cpu_ext.ADAPTER_TYPES lists: cpu_ext.adapter_type)."""
-    return (lib is not None and cpu_ext.usable(x) and x.stride(-1) == 1
+    return (cpu_ext.usable(x) and x.stride(-1) == 1
             and (y is None or (cpu_ext.usable(y) and y.stride(-1) == 1))
             and cpu_ext.adapter_type(lora_a, lora_b) is not None)
 
@@ -75,13 +74,11 @@ def _groups(meta, slice_offsets):
 
 def lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta):
     """y[tokens of group g] += scaling_g * (x @ A_g^T) @ B_g per output slice, in place; returns y."""
-    lib = cpu_ext.load()
-    if not _takes(lib, x, lora_a, lora_b, y):
-        return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)
     if meta.num_groups == 0 or meta.token_indices.numel() == 0:
         return y
     offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
+    lib = cpu_ext.built()
     lib.loom_lora_apply(x.data_ptr(), x.stride(0), lora_a.data_ptr(), cpu_ext.ADAPTER_TYPES[lora_a.dtype], S, R, K,
                         lora_a.stride(1), lora_b.data_ptr(), lora_b.shape[1], lora_b.stride(0), offs.data_ptr(),
                         y.data_ptr(), y.stride(0), tok.data_ptr(), seg.data_ptr(), rows.data_ptr(), ranks.data_ptr(),
@@ -93,13 +90,13 @@ def linear_lora_cpu(x, panels, bias, out_features, lora_a, lora_b, slice_offsets
     """The packed GEMM (kernels/cpu_linear.py; `lib` the library that packed the panels) plus the LoRA deltas of
     meta's groups: bitwise what lora_apply_cpu adds to its output, but a group of at least FUSE_MIN_TOKENS tokens
     (a prefill chunk) has its deltas added to each GEMM output tile while the tile is in cache, so y (2,048 tokens
-    x 3,072 columns is 25 MB) is not read back from memory and written again for them."""
+    x 3,072 columns is 25 MB) is not read back from memory and written again for them. The caller checked
+    takes(x, lora_a, lora_b) (layers/linear.py)."""
     shape = x.shape
     flat = len(shape) == 2
     x2 = x if flat else x.reshape(-1, shape[-1])
-    if not _takes(lib, x2, lora_a, lora_b) or meta.num_groups == 0 or meta.token_indices.numel() == 0:
-        y = gemm(lib, x, panels, bias, out_features)
-        return lora_apply_cpu(x2, y.view(-1, out_features), lora_a, lora_b, slice_offsets, meta).view(y.shape)
+    if meta.num_groups == 0 or meta.token_indices.numel() == 0:
+        return gemm(lib, x, panels, bias, out_features)
     offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
     S, R, K = lora_a.shape
     T = x2.shape[0]

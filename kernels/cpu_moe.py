@@ -16,7 +16,7 @@ import torch
 
 from loom.kernels import cpu_ext
 from loom.kernels.cpu_linear import BLOCK_ABOVE_BYTES, PackedWeight, block_rows
-from loom.kernels.dispatch import fused_moe, use_triton
+from loom.kernels.dispatch import fused_moe
 
 
 class PackedExperts:
@@ -24,7 +24,7 @@ class PackedExperts:
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None):
         """out: float32 memory for all the panels (at least numel(*shapes) elements), else buffers of their own."""
-        self.w13, self.w2 = w13, w2  # for fused_moe: under torch.compile and LOOM_FORCE_TRITON
+        self.w13, self.w2 = w13, w2  # for fused_moe: under torch.compile
         sizes = [PackedWeight.panels_numel(*w.shape) for w in (*w13, *w2)]
         views, start = [], 0
         for n in sizes:
@@ -44,7 +44,9 @@ class PackedExperts:
         return E * (PackedWeight.panels_numel(two_i, H) + PackedWeight.panels_numel(*w2_shape[1:]))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or use_triton(x) or not cpu_ext.usable(x) or x.dim() != 2:
+        # packed only where kernels/policy.py chose them (engine/cpu.py); traced (ctypes calls cannot be) or given
+        # what the kernel does not take, fused_moe runs (the reference)
+        if torch.compiler.is_compiling() or not cpu_ext.usable(x) or x.dim() != 2:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         x = x.contiguous()
         w = cpu_ext.contiguous(topk_weights, torch.float32)

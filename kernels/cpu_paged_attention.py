@@ -6,16 +6,14 @@ into a padded copy and run SDPA; these walk the block table instead: per (sequen
 the kv group's query heads share each key row read; per (sequence, query tile of 16, head) for prefill.
 Same signatures and options as the references (docs/CONTRACTS.md): `sliding_window` W - a query at
 position p sees keys k with p - W < k <= p; `softcap` c - scores become c * tanh(s / c) before softmax.
-Anything the C++ kernels do not take (not float32, or the extension failed to build) runs the reference.
+kernels/dispatch.py runs them where kernels/policy.py chose the C++ kernels and takes_attention / takes_store_kv say
+they take the call's tensors; the references otherwise.
 """
 from __future__ import annotations
 
 import torch
 
 from loom.kernels import cpu_ext
-from loom.kernels.kv_store import store_kv_ref
-from loom.kernels.paged_decode_attention import paged_decode_attention_ref
-from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 PREFILL_TILE = 16  # query rows sharing each key row read
 
@@ -32,25 +30,28 @@ def _cache_ok(k_cache, v_cache) -> bool:
     return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
 
 
-def _attention_fits(lib, q, k_cache, v_cache, out) -> bool:
-    """Whether the C++ attention takes these tensors (built library, float32 CPU, contiguous caches and out rows)."""
-    return (lib is not None and cpu_ext.usable(q, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
+def takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) -> bool:
+    """Whether the C++ attention takes these tensors (float32 CPU, contiguous caches and out rows); raises
+    ValueError for options no implementation takes, whichever then runs on CPU."""
+    attention_options(sliding_window, softcap)
+    return (cpu_ext.usable(q, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
             and (out is None or (cpu_ext.usable(out) and out.stride(-1) == 1)))
+
+
+def takes_store_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    return (cpu_ext.usable(k, v, k_cache, v_cache) and _cache_ok(k_cache, v_cache) and k.shape == v.shape
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and slot_mapping.shape[0] == k.shape[0] and _rows(k) and _rows(v))
 
 
 def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
     """k/v [T, KVH, D] into the caches at slot_mapping [T] (block * block_size + offset; -1 = skip), as
     store_kv_ref; one row copy per token."""
-    lib = cpu_ext.load()
     T = k.shape[0]
-    ok = (lib is not None and cpu_ext.usable(k, v, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
-          and k.shape == v.shape and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-          and slot_mapping.shape[0] == T and all(_rows(t) for t in (k, v)))
-    if not ok:
-        return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
     if T:
-        lib.loom_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                          slot_mapping.data_ptr(), T, k_cache.shape[2] * k_cache.shape[3])
+        cpu_ext.built().loom_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                     v_cache.data_ptr(), slot_mapping.data_ptr(), T,
+                                     k_cache.shape[2] * k_cache.shape[3])
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -62,10 +63,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
                                softcap=None):
     """q [B, H, D], caches [blocks, block_size, KVH, D], block_tables [B, M] int32, seq_lens [B] int32."""
     window, cap = attention_options(sliding_window, softcap)
-    lib = cpu_ext.load()
-    if not _attention_fits(lib, q, k_cache, v_cache, out):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                          sliding_window=sliding_window, softcap=softcap)
+    lib = cpu_ext.built()
     if out is None:
         out = torch.empty_like(q)
     B, H, D = q.shape
@@ -84,10 +82,7 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
                                 out=None, sliding_window=None, softcap=None):
     """q [T, H, D]; sequence s owns rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len_s + i."""
     window, cap = attention_options(sliding_window, softcap)
-    lib = cpu_ext.load()
-    if not _attention_fits(lib, q, k_cache, v_cache, out):
-        return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                           scale, out=out, sliding_window=sliding_window, softcap=softcap)
+    lib = cpu_ext.built()
     if out is None:
         out = torch.empty_like(q)
     T, H, D = q.shape

@@ -1,13 +1,12 @@
-"""The one place that picks an implementation: Triton for CUDA tensors, or everywhere when
-LOOM_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU, for engine parity tests); on CPU, the C++ kernels
-(kernels/cpu_*.py: they run the reference themselves for what they do not take, and everywhere with
-LOOM_CPU_KERNELS=0); the reference otherwise."""
+"""Each op's implementation: Triton, loom's C++ CPU kernels or the PyTorch reference, as kernels/policy.py decides for
+the call's tensors (for an engine's tensors, the engine's decision); a C++ kernel only for tensors its module's
+`takes_*` accepts, the reference otherwise. What an engine sets up around the ops (weights packed for the C++ GEMM,
+the C++ layer pass: engine/cpu.py) follows the same decision."""
 from __future__ import annotations
-
-import os
 
 import torch
 
+from loom.kernels import cpu_argmax, cpu_lora, cpu_paged_attention, cpu_pointwise
 from loom.kernels.activation import (  # noqa: F401  (tests reach silu_and_mul_ref here)
     gelu_tanh_and_mul_ref,
     gelu_tanh_and_mul_triton,
@@ -23,49 +22,76 @@ from loom.kernels.cpu_pointwise import (
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
-from loom.kernels.kv_store import store_kv_triton
-from loom.kernels.lora import lora_expand_triton, lora_shrink_triton
+from loom.kernels.kv_store import store_kv_ref, store_kv_triton
+from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
-from loom.kernels.norm import fused_add_rms_norm_triton
-from loom.kernels.paged_decode_attention import paged_decode_attention_triton
-from loom.kernels.paged_prefill_attention import paged_prefill_attention_triton
-from loom.kernels.rotary import rotary_embedding_triton, rotary_store_kv_triton
+from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
+from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
+from loom.kernels.policy import CPU, TRITON, for_tensor
+from loom.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton, rotary_store_kv_triton
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    # env read per call (a dict lookup) so tests may flip it after import
-    return t.is_cuda or os.environ.get("LOOM_FORCE_TRITON") == "1"
+    return for_tensor(t).ops == TRITON
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    return (store_kv_triton if use_triton(k) else store_kv_cpu)(k, v, k_cache, v_cache, slot_mapping)
+    ops = for_tensor(k).ops
+    if ops == TRITON:
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    if ops == CPU and cpu_paged_attention.takes_store_kv(k, v, k_cache, v_cache, slot_mapping):
+        return store_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
                            softcap=None):
-    fn = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_cpu
+    ops = for_tensor(q).ops
+    if ops == TRITON:
+        fn = paged_decode_attention_triton
+    elif cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) and ops == CPU:
+        fn = paged_decode_attention_cpu
+    else:
+        fn = paged_decode_attention_ref
     return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
               softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
                             out=None, sliding_window=None, softcap=None):
-    fn = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_cpu
+    ops = for_tensor(q).ops
+    if ops == TRITON:
+        fn = paged_prefill_attention_triton
+    elif cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) and ops == CPU:
+        fn = paged_prefill_attention_cpu
+    else:
+        fn = paged_prefill_attention_ref
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
               sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
-    return (fused_add_rms_norm_triton if use_triton(x) else fused_add_rms_norm_cpu)(x, residual, weight, eps)
+    ops = for_tensor(x).ops
+    if ops == TRITON:
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if ops == CPU and cpu_pointwise.takes_rms_norm(x, residual, weight):
+        return fused_add_rms_norm_cpu(x, residual, weight, eps)
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
     """Neox rope on the leading cos_sin_cache.shape[1] dims of each head of q [T, H, D] and k [T, KVH, D], in
     place (the rows may be strided views into the q|k|v projection)."""
-    if use_triton(q):
+    ops = for_tensor(q).ops
+    if ops == TRITON:
         return rotary_embedding_triton(positions, q, k, cos_sin_cache)
     rot = cos_sin_cache.shape[-1]  # the CPU kernel rotates all the dims of the views it is given
-    rotary_embedding_cpu(positions, q[..., :rot], k[..., :rot], cos_sin_cache)
+    q, k = q[..., :rot], k[..., :rot]
+    if ops == CPU and cpu_pointwise.takes_rotary(positions, q, k, cos_sin_cache):
+        rotary_embedding_cpu(positions, q, k, cos_sin_cache)
+    else:
+        rotary_embedding_ref(positions, q, k, cos_sin_cache)
 
 
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
@@ -73,23 +99,34 @@ def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_ma
     if use_triton(q):
         return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _act_and_mul(x, triton, cpu, ref):
+    ops = for_tensor(x).ops
+    if ops == TRITON:
+        return triton(x)
+    return (cpu if ops == CPU and cpu_pointwise.takes_act_and_mul(x) else ref)(x)
 
 
 def silu_and_mul(x):
-    return (silu_and_mul_triton if use_triton(x) else silu_and_mul_cpu)(x)
-
-
-def argmax(x):
-    """x [T, V] -> int64 [T], torch.argmax(x, dim=-1): one C++ pass per row on CPU."""
-    return x.argmax(dim=-1) if x.is_cuda else argmax_cpu(x)
+    return _act_and_mul(x, silu_and_mul_triton, silu_and_mul_cpu, silu_and_mul_ref)
 
 
 def gelu_tanh_and_mul(x):
-    return (gelu_tanh_and_mul_triton if use_triton(x) else gelu_tanh_and_mul_cpu)(x)
+    return _act_and_mul(x, gelu_tanh_and_mul_triton, gelu_tanh_and_mul_cpu, gelu_tanh_and_mul_ref)
+
+
+def argmax(x):
+    """x [T, V] -> int64 [T], torch.argmax(x, dim=-1) (the reference: there is no Triton argmax); one C++ pass per
+    row on CPU."""
+    if for_tensor(x).argmax == CPU and cpu_argmax.takes_argmax(x):
+        return argmax_cpu(x)
+    return x.argmax(dim=-1)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, out=None):
+    # the C++ experts run over packed weights (kernels/cpu_moe.py), not through here
     return (fused_moe_triton if use_triton(x) else fused_moe_ref)(x, w13, w2, topk_weights, topk_ids, out=out)
 
 
@@ -101,6 +138,9 @@ def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
 def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
     """y += the LoRA deltas of meta's adapter groups, in place: Triton's shrink then expand launches, or one C++
     pass on CPU."""
-    if not use_triton(x):
+    ops = for_tensor(x).ops
+    if ops == TRITON:
+        return lora_expand_triton(lora_shrink_triton(x, lora_a, meta), lora_b, slice_offsets, meta, y)
+    if ops == CPU and cpu_lora.takes(x, lora_a, lora_b, y):
         return lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta)
-    return lora_expand_triton(lora_shrink_triton(x, lora_a, meta), lora_b, slice_offsets, meta, y)
+    return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)

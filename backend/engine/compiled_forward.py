@@ -56,32 +56,11 @@ class EagerForward:
 
 
 def build_forward(runner) -> EagerForward | CompiledForward:
-    """The runner's forward; on CPU also applies the thread count and the CPU tuning and packs the linear
-    weights; with cpu_compile it compiles in warm_up() (called once the LoRA pools are attached) or else in
-    the first step."""
-    from loom.engine import cpu
-    from loom.kernels import cpu_ext
-
-    model, config = runner.model, runner.config
-    if runner.device.type != "cpu":
-        return EagerForward(model)
-    cpu.tune_mkl_for_amd()
-    cpu.set_compute_threads(config.cpu_threads)
-    cpu.keep_freed_memory()
-    # Build (once per machine) or load the C++ kernels now, not in the first step; one log line says which path
-    # runs (a failed build has logged its warning instead).
-    if runner.dtype != torch.float32:
-        log.info("CPU kernels: float32 only; this %s model runs the PyTorch references", runner.dtype)
-    elif cpu_ext.load() is not None or not cpu_ext.enabled():
-        log.info("%s", cpu_ext.describe())
-    if cpu.can_pack(runner.dtype, runner.device):
-        cpu.pack_linear_weights(model)
-        decoder = getattr(model, "model", None)
-        if not config.cpu_compile and hasattr(decoder, "layer_pass"):
-            from loom.models.layer_pass import LayerPass
-
-            decoder.layer_pass = LayerPass()  # each decoder layer in one C++ call
-    return CompiledForward(model) if config.cpu_compile else EagerForward(model)
+    """The runner's forward (the CPU set-up it runs on is the runner's, engine/cpu.py); with cpu_compile it compiles
+    in warm_up() (called once the LoRA pools are attached) or else in the first step."""
+    if runner.device.type == "cpu" and runner.config.cpu_compile:
+        return CompiledForward(runner.model)
+    return EagerForward(runner.model)
 
 
 class CompiledForward:

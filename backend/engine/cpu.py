@@ -1,6 +1,12 @@
-"""CPU set-up the engine applies at its start (not at import: importing loom has no side effects): the number
-of compute threads, MKL's instruction set on AMD, malloc's reuse of freed activations, and the linear layers' GEMMs
-over packed weights."""
+"""What runs on CPU and how: the set-up the engine applies at its start (not at import: importing loom has no side
+effects). model_runner calls set_up_process (the number of compute threads, MKL's instruction set on AMD, malloc's
+reuse of freed activations), then decides the kernel path (kernels/policy.py: Triton, the C++ kernels or the
+references, whether weights are packed and the layer pass runs) and applies it here (apply_path: the linear layers'
+and MoE experts' GEMMs over packed weights, each decoder layer in one C++ call, models/layer_pass.py).
+
+Elsewhere, by layer: each op's choice per call is kernels/dispatch.py; the C++ library's build and the OpenMP
+helpers for threads beside the compute thread (serial_thread, on_a_passing_thread; lora/ uses them) are
+kernels/cpu_ext.py."""
 from __future__ import annotations
 
 import logging
@@ -89,18 +95,33 @@ def set_compute_threads(requested: int) -> int:
     return n
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    from loom.kernels import cpu_ext
+def set_up_process(cpu_threads: int) -> int:
+    """The process-wide CPU settings, before the C++ kernels load; returns the compute threads."""
+    tune_mkl_for_amd()
+    threads = set_compute_threads(cpu_threads)
+    keep_freed_memory()
+    return threads
 
-    return device.type == "cpu" and dtype == torch.float32 and cpu_ext.load() is not None
+
+def apply_path(model: nn.Module, path) -> None:
+    """Packs the weights and sets the layer pass as `path` (kernels/policy.KernelPath) says; nothing where it packs
+    nothing (CUDA, the references)."""
+    if not path.packed:
+        return
+    pack_linear_weights(model, experts=path.packed_experts)
+    decoder = getattr(model, "model", None)
+    if path.layer_pass and hasattr(decoder, "layer_pass"):
+        from loom.models.layer_pass import LayerPass
+
+        decoder.layer_pass = LayerPass()  # each decoder layer in one C++ call
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, experts: bool = True) -> int:
     """Route every linear layer of a CPU float32 model through the C++ GEMM over packed weights
     (kernels/cpu_linear.py): LoRALinear via its `dense` hook, plain nn.Linear (lm_head, MoE routers) via its
-    forward, MoE experts via their `dense` hook (kernels/cpu_moe.py). Returns how many modules were packed; each
-    holds a second, packed copy of its weights, all of them in one buffer on huge pages (kernels/cpu_memory.py: a
-    decode step streams every one of them)."""
+    forward, MoE experts (with `experts`) via their `dense` hook (kernels/cpu_moe.py). Returns how many modules were
+    packed; each holds a second, packed copy of its weights, all of them in one buffer on huge pages
+    (kernels/cpu_memory.py: a decode step streams every one of them)."""
     from loom.kernels.cpu_linear import PackedWeight
     from loom.kernels.cpu_memory import empty_on_huge_pages
     from loom.kernels.cpu_moe import PackedExperts
@@ -112,7 +133,8 @@ def pack_linear_weights(model: nn.Module) -> int:
             return PackedExperts.numel(mod.gate_up_proj.shape, mod.down_proj.shape)
         return PackedWeight.panels_numel(*mod.weight.shape)
 
-    mods = [mod for mod in model.modules() if isinstance(mod, (LoRALinear, nn.Linear, Experts))]
+    kinds = (LoRALinear, nn.Linear, Experts) if experts else (LoRALinear, nn.Linear)
+    mods = [mod for mod in model.modules() if isinstance(mod, kinds)]
     sizes = [-(-numel(mod) // 16) * 16 for mod in mods]  # each module's panels start on a cache line (16 floats)
     arena = empty_on_huge_pages((sum(sizes),))
     start = 0

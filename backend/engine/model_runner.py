@@ -11,21 +11,26 @@ anything else run eagerly here, which is also the reference the graph path is te
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 import torch
 
 from loom.device import bind_thread, resolve_device
+from loom.engine import cpu
 from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
 from loom.engine.scheduler import ScheduledBatch
 from loom.kernels.cpu_memory import large_zeros
+from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
 
 # async scheduling: (flat input positions, rows of the tokens tensor, the step in flight's sampled tokens on the
 # device): input ids that step is still sampling
 TokenFill = tuple[np.ndarray, np.ndarray, torch.Tensor]
+
+log = logging.getLogger("loom")
 
 
 class ModelRunner:
@@ -65,6 +70,13 @@ class ModelRunner:
         self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        if self.device.type == "cpu":
+            cpu.set_up_process(config.cpu_threads)
+        # where the ops run, decided once (kernels/policy.py): the C++ library is built or loaded here on CPU, not in
+        # the first step
+        self.kernels = decide(self.device, self.dtype, compiled=config.cpu_compile)
+        log.info("%s", self.kernels.describe(self.dtype))
+        cpu.apply_path(self.model, self.kernels)
         self.forward = build_forward(self)  # eager, or compiled on CPU (cpu_compile)
 
     def _make_buffers(self):

@@ -30,8 +30,8 @@ import torch
 
 from loom.engine.compiled_forward import logits_of
 from loom.engine.scheduler import ScheduledBatch
-from loom.kernels.dispatch import use_triton
 from loom.kernels.lora import block_r_for, lora_shrink_triton
+from loom.kernels.policy import TRITON
 from loom.layers.forward_context import LoraBatchMeta, forward_context
 
 log = logging.getLogger("loom")
@@ -68,9 +68,9 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-def compiles_kernels(device: torch.device) -> bool:
-    """True when this device's steps launch compiled Triton kernels (not the references, not the interpreter)."""
-    return use_triton(torch.empty(0, device=device)) and os.environ.get("TRITON_INTERPRET") != "1"
+def compiles_kernels(runner) -> bool:
+    """True when the runner's steps launch compiled Triton kernels (not the references, not the interpreter)."""
+    return runner.kernels.ops == TRITON and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def powers_up_to(n: int, lo: int = 1) -> list[int]:
@@ -163,7 +163,7 @@ def run_steps(runner) -> WarmupReport:
 
 def warm_up(runner) -> WarmupReport:
     """Run at engine start, once the LoRA pools are attached. Captures the decode graphs on CUDA."""
-    if not compiles_kernels(runner.device):
+    if not compiles_kernels(runner):
         return WarmupReport()
     from loom.kernels.compile_counter import JitCompileCounter, is_supported
 

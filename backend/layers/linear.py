@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import lora_apply, torch_ops
+from loom.kernels import cpu_lora, lora_apply, torch_ops
 from loom.layers.forward_context import get_forward_context
 
 
@@ -30,8 +30,8 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
-        # set by the engine on CPU: a GEMM over a packed copy of the weight, dense(x) and dense.with_lora(...)
-        # (kernels/cpu_linear.PackedWeight)
+        # set by the engine where its kernel path packs weights (engine/cpu.py): a GEMM over a packed copy of the
+        # weight, dense(x) and dense.with_lora(...) (kernels/cpu_linear.PackedWeight)
         self.dense = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,8 @@ class LoRALinear(nn.Module):
                 return y
             meta = step_lora(self.lora_group)
             if meta is not None:
-                if self.dense is not None:  # the deltas added to the GEMM's output tiles
+                if self.dense is not None and cpu_lora.takes(x, self.lora_a, self.lora_b):
+                    # the deltas added to the GEMM's output tiles
                     return self.dense.with_lora(x, self.lora_a, self.lora_b, self.slice_offsets, meta)
                 y = self._base(x)
                 lora_apply(x, y, self.lora_a, self.lora_b, self.slice_offsets, meta)

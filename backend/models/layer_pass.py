@@ -1,6 +1,7 @@
 """On CPU, each decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
-The engine sets a LayerPass as the decoder's `layer_pass` when the linear layers run the packed C++ GEMM. A layer
+The engine sets a LayerPass as the decoder's `layer_pass` where its kernel path says so (kernels/policy.py: the C++
+kernels, packed weights, an eager forward; engine/cpu.py sets it). A layer
 takes it when it is a Llama-class or Gemma decoder layer (Llama, Mistral, Qwen2, Qwen3's per-head q/k norms, Phi-3's
 partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels read; in a MoE
 layer (Mixtral, Qwen3-MoE) the call stops at the MLP's input and the block runs after it. Every step the kernels
@@ -15,7 +16,6 @@ import torch
 
 from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
-from loom.kernels.dispatch import use_triton
 from loom.layers.forward_context import get_forward_context
 from loom.layers.moe import SparseMoeBlock
 from loom.layers.norm import RMSNorm
@@ -149,8 +149,6 @@ class LayerPass:
         return step
 
     def _make_step(self, args: LayerArgs, ctx, positions: torch.Tensor, T: int) -> Optional[StepArgs]:
-        if use_triton(positions):  # LOOM_FORCE_TRITON: every kernel runs its Triton version (parity tests)
-            return None
         slots = ctx.slot_mapping
         if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape[0] != T or \
                 slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != T:

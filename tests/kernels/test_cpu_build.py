@@ -29,7 +29,6 @@ def fresh_build(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])
 def test_failed_build_runs_the_references(compiler, fresh_build, monkeypatch, caplog):
-    from loom.kernels import cpu_pointwise
     from loom.kernels.activation import silu_and_mul_ref
     from loom.kernels.norm import fused_add_rms_norm_ref
 
@@ -48,7 +47,7 @@ def test_failed_build_runs_the_references(compiler, fresh_build, monkeypatch, ca
     assert torch.equal(dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.125, sliding_window=20, softcap=3.0),
                        paged_decode_attention_ref(q, kc, vc, bt, sl, 0.125, sliding_window=20, softcap=3.0))
     x, w = torch.randn(4, 64), torch.rand(64)
-    assert all(torch.equal(a, b) for a, b in zip(cpu_pointwise.fused_add_rms_norm_cpu(x, x, w, 1e-6),
+    assert all(torch.equal(a, b) for a, b in zip(dispatch.fused_add_rms_norm(x, x, w, 1e-6),
                                                    fused_add_rms_norm_ref(x, x, w, 1e-6)))
     assert torch.equal(dispatch.silu_and_mul(x), silu_and_mul_ref(x))
     meta, R, _ = kcases.make_lora_meta(6, [1, 4], "cpu")
@@ -56,9 +55,9 @@ def test_failed_build_runs_the_references(compiler, fresh_build, monkeypatch, ca
     xs = x.repeat(2, 1)[:6]
     assert torch.equal(dispatch.lora_apply(xs, y.clone(), a, b, [0, 8], meta),
                        lora.lora_expand_ref(lora.lora_shrink_ref(xs, a, meta), b, [0, 8], meta, y.clone()))
-    from loom.engine import cpu
+    from loom.kernels import policy
 
-    assert not cpu.can_pack(torch.float32, torch.device("cpu"))  # linear layers stay F.linear
+    assert not policy.decide("cpu", torch.float32).packed  # linear layers stay F.linear
 
 
 def test_concurrent_first_builds_compile_once(fresh_build):

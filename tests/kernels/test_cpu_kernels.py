@@ -107,7 +107,7 @@ def test_other_dtypes_use_the_reference():
     torch.manual_seed(1)
     kc, vc, bt, sl = kcases.make_paged_cache([5, 9], 8, 1, 16, torch.float64, "cpu")
     q = torch.randn(2, 2, 16, dtype=torch.float64)
-    got = paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.25)
+    got = dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.25)
     assert torch.equal(got, paged_decode_attention_ref(q, kc, vc, bt, sl, 0.25))
 
 
