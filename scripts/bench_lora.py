@@ -24,7 +24,23 @@ adapters the last slot's adapter, vllm#48421: the spare, never filled, keeps the
 that engine has base requests). After its rounds each loom engine measures the streaming read rate on its threads,
 and the report prints the best distinct / no-LoRA ratio that rate allows when every request reads its own adapter's
 rows once per decode step (harness/adapter_cost.py): how far the distinct run is from what memory bandwidth permits
-on this machine."""
+on this machine.
+
+Many adapters under traffic (--adapters N; loom only):
+
+    python scripts/bench_lora.py --adapters 1000 --popularity zipf:1.0 uniform [--device-adapters 64]
+                                 [--host-adapters 256] [--arrivals 192] [--load 0.9] [--weight-files 16]
+
+N rank-16 adapters (names ad0 .. ad{N-1}, ad0 the most popular) whose weights are --weight-files distinct random files
+hard-linked into the N folders (1000 distinct files of the default model would be ~20 GB; the engine reads each name
+as its own adapter, but a read from disk is then mostly a read from the page cache). The device pools hold
+--device-adapters of them (lora_memory_bytes set so), the host tier --host-adapters. One engine: a closed batch on
+one adapter measures its tokens/s; Poisson arrivals at --load times that rate then run once on one adapter and once
+per --popularity over the N (adapters unloaded between runs, so each starts cold), the same arrivals, prompts and
+tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
+excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
+adapter was in when its request arrived, load latencies per tier, and step time (the running streams' inter-token
+latency) with and without a read from disk in flight."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +54,7 @@ import time
 import harness.bench as bc  # noqa: F401  (CPU tuning before torch)
 from harness.adapter_cost import lora_cost, model_spec, stream_gbps
 from harness.cpu_meter import CpuMeter
-from harness.lora_report import report
+from harness.lora_report import report, traffic_report
 from harness.vllm_peer import add_vllm_arguments, run_vllm_settings
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -85,6 +101,15 @@ def parse_args(argv=None):
     ap.add_argument("--lora-memory-mb", type=int, default=1024,
                     help="loom's adapter pool; must hold every adapter of the run at once, as vLLM's max_loras does")
     ap.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
+    ap.add_argument("--adapters", type=int, default=0,
+                    help="N > 0: the many-adapter traffic benchmark over N adapters instead of the scenarios above")
+    ap.add_argument("--popularity", nargs="+", default=["zipf:1.0"], help="uniform or zipf:A; one run each")
+    ap.add_argument("--device-adapters", type=int, default=64, help="adapters the device pools hold")
+    ap.add_argument("--host-adapters", type=int, default=256, help="max_host_adapters")
+    ap.add_argument("--arrivals", type=int, default=192, help="requests of each traffic run")
+    ap.add_argument("--load", type=float, default=0.9, help="arrival rate / the one-adapter closed batch's rate")
+    ap.add_argument("--weight-files", type=int, default=16, help="distinct weight files behind the N adapters")
+    ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
     ap.add_argument("--json", default="")
     add_vllm_arguments(ap)
     return ap.parse_args(argv)
@@ -198,7 +223,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
     try:
-        bench(args, root)
+        (traffic if args.adapters else bench)(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # 33 rank-16 adapters of the default model are ~600 MB
 
@@ -287,6 +312,82 @@ def bench(args, root: str) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def write_many_adapters(args, root: str, hf_cfg) -> list[str]:
+    """ad0 .. ad{N-1}: each its own folder and config, its weights a hard link to one of --weight-files files."""
+    files = [write_adapter(os.path.join(root, "_weights", f"w{j}"), hf_cfg, seed=j, r=args.rank,
+                           dtype=args.adapter_dtype) for j in range(min(args.weight_files, args.adapters))]
+    names = [f"ad{i}" for i in range(args.adapters)]
+    for i, name in enumerate(names):
+        src, dst = files[i % len(files)], os.path.join(root, name)
+        os.makedirs(dst)
+        shutil.copy(os.path.join(src, "adapter_config.json"), dst)
+        os.link(os.path.join(src, "adapter_model.safetensors"), os.path.join(dst, "adapter_model.safetensors"))
+    return names
+
+
+def traffic(args, root: str) -> None:
+    """The many-adapter benchmark (module docstring): one engine, a closed batch for the rate, then Poisson runs."""
+    import random
+
+    import torch
+    from transformers import AutoConfig
+
+    from harness.lora import popularity_weights, run_arrivals
+    from harness.serving_load import arrival_times
+    from loom.engine.config import EngineConfig
+    from loom.engine.llm import LLM
+    from loom.engine.sampling_params import SamplingParams
+    from loom.lora import LoraModelSpec, LoraPool
+
+    model = args.model or bc.default_model_dir()
+    hf_cfg = AutoConfig.from_pretrained(model)
+    t0 = time.perf_counter()
+    names = write_many_adapters(args, root, hf_cfg)
+    bc.progress(f"wrote {args.adapters} rank-{args.rank} adapters ({args.weight_files} weight files) in "
+                f"{time.perf_counter() - t0:.1f}s")
+    lora_dtype = "auto" if args.adapter_dtype == "float32" else args.adapter_dtype
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(hf_cfg), getattr(torch, args.adapter_dtype), device)
+    wait = EngineConfig.max_lora_wait_steps if args.max_lora_wait_steps is None else args.max_lora_wait_steps
+    llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
+              lora_memory_bytes=args.device_adapters * args.rank * row, max_host_adapters=args.host_adapters,
+              lora_dtype=lora_dtype, enable_prefix_caching=False, cpu_threads=args.threads[0],
+              cpu_compile=args.compile == "compiled", max_lora_wait_steps=wait)
+    eng, reg = llm.engine, llm.engine.adapters
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.arrivals)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    run_batch(llm, prompts[:8], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), ["ad0"] * 8)  # warm
+    closed = run_batch(llm, prompts, params, ["ad0"] * args.arrivals)
+    rate = args.load * closed["tokens_per_s"] / args.max_tokens
+    arrivals = arrival_times(args.arrivals, rate, seed=0)
+    bc.progress(f"closed batch on one adapter: {closed['tokens_per_s']:.1f} tok/s -> Poisson at {rate:.2f} req/s")
+    results = {"closed_tokens_per_s": closed["tokens_per_s"], "rate": rate, "max_lora_wait_steps": wait, "runs": {}}
+    for pop in ["one adapter"] + list(args.popularity):
+        if pop == "one adapter":  # ad0, loaded by the closed batch
+            ranks = [0] * args.arrivals
+        else:
+            for d in reg.list():  # every popularity run starts cold
+                reg.unload(d["name"])
+            ranks = random.Random(1).choices(range(args.adapters), popularity_weights(pop, args.adapters),
+                                             k=args.arrivals)
+        loads0, evictions0 = len(reg.stats().loads), reg.num_evictions
+        run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
+        run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads[loads0:]],
+                   evictions=reg.num_evictions - evictions0)
+        results["runs"][pop] = run
+        bc.progress(f"{pop}: {run['tokens'] / run['wall_s']:.1f} tok/s, {run['evictions']} evictions")
+    reg.close()
+    text = traffic_report(results, args)
+    print(text, flush=True)
+    if args.json:
+        results |= {"report": text, "config": vars(args) | {"model": model}, "machine": bc.machine_info()}
+        with open(args.json, "w") as f:
+            json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ class EngineConfig:
     adapter_sources: list[str] = field(default_factory=list)
     adapter_cache_dir: str = ""
     adapter_cache_bytes: int = 8 << 30
+    # Adapter-aware admission (loom.engine.scheduler): queued requests whose adapter holds device rows go before
+    # those that need rows placed, but one that has waited this many steps goes before everything queued after it.
+    # 0 = strict arrival order (FCFS).
+    max_lora_wait_steps: int = 32
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +114,8 @@ class EngineConfig:
         check(isinstance(self.adapter_cache_dir, str), "adapter_cache_dir", "must be a directory path")
         check(isinstance(self.adapter_cache_bytes, int) and self.adapter_cache_bytes >= 1,
               "adapter_cache_bytes", "must be an integer >= 1")
+        check(isinstance(self.max_lora_wait_steps, int) and 0 <= self.max_lora_wait_steps <= 1 << 20,
+              "max_lora_wait_steps", f"must be in [0, 1048576] (0 = FCFS), got {self.max_lora_wait_steps!r}")
 
     @property
     def torch_device(self) -> torch.device:

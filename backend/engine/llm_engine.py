@@ -91,7 +91,9 @@ class LLMEngine:
                                         config.resolve_lora_dtype(self.runner.dtype))
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   can_run=self._can_run, on_preempt=self._on_preempt)
+                                   can_run=self._can_run, on_preempt=self._on_preempt,
+                                   adapter_state=lambda seq, place: self.adapters.prefetch(seq.adapter, place),
+                                   max_lora_wait_steps=config.max_lora_wait_steps)
         self.sampler = Sampler()
         self.sampling_state = SamplingState(self.runner.vocab_size, self.runner.device, self.runner.buffers)
         self.async_scheduling = config.resolve_async_scheduling(self.runner.device)
@@ -182,6 +184,8 @@ class LLMEngine:
             for ref in refs:
                 self.adapters.release(ref)
             raise
+        if refs:  # its adapter moves toward the device while it waits (acquire started the read from disk)
+            self.adapters.prefetch(refs[0])
         seqs = {}
         for i in range(params.n):  # vLLM's child seeds: seed + index
             seed = (params.seed + i) % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)

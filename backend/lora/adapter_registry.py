@@ -19,7 +19,10 @@ there; a reload fetches afresh), reads its config and weights, and publishes it 
 fetched again if the cache dropped it.
 
 Request flow (engine):
-  ref = reg.acquire(name)           # at add_request; RequestError("lora_name", ...) if unknown/bad
+  ref = reg.acquire(name)           # at add_request; RequestError("lora_name", ...) if unknown/bad; starts the
+                                     # read into host memory (background) unless it is there
+  reg.prefetch(ref)                  # at add_request and at each step while queued: rows ahead of admission where
+                                     # that evicts nothing a request holds; -> "device" | "host" | "disk"
   if ref.error: fail the request     # a background load failed
   if ref.ready and reg.activate(ref): schedule it (row_start/rank/scaling valid until deactivate)
   reg.deactivate(ref)                # preempted (rows stay cached until evicted)
@@ -137,6 +140,7 @@ class AdapterRegistry:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self.residency.close()
 
     # ------------------------------------------------------------------ management API
 
@@ -237,6 +241,13 @@ class AdapterRegistry:
                              cache_bytes=cache.bytes if cache else 0, cache_evictions=cache.evictions if cache else 0,
                              remote_fetches=cache.fetches if cache else 0, loads=self.load_log.recent())
 
+    def tier_of(self, name: str) -> str:
+        """Where the current version of `name` is ("device", "host", "disk", "loading", "failed"); "" if the name is not
+        loaded. O(1), unlike list()."""
+        with self._lock:
+            v = self._names.get(name)
+            return v.state if v is not None else ""
+
     def wait_for_loads(self, timeout: float | None = None) -> bool:
         """Block until some background load finishes (or timeout); True if none is in flight afterwards.
         For an engine loop with nothing runnable but requests waiting on adapter loads."""
@@ -294,10 +305,33 @@ class AdapterRegistry:
                     return False  # rows taken in the other space stay cached (evictable, not pinned)
                 self.load_log.record(HOST_TO_DEVICE, time.perf_counter() - t0)
                 self.residency.trim_host()
+            self.residency.sync(v)  # a copy still in flight (placed ahead, or just now) ends before the step reads
             v.active += 1
             ref.active = True
             self._touch(v)
             return True
+
+    def prefetch(self, ref: AdapterRef, place: bool = True) -> str:
+        """Move the ref's version toward the device ahead of its request's admission: once it is in host memory
+        (acquire started the read), write it into free rows or rows of adapters no request holds, never rows a
+        queued or running request may use (the copy overlaps the steps: residency.place). Pins nothing.
+        -> where it is then: "device", "host", or "disk" (still loading, or its load failed); place=False only
+        says where it is."""
+        with self._lock:
+            v = ref._v
+            if v.resident:
+                return "device"
+            if v.host is None or ref.released:
+                return "disk"
+            if not place:
+                return "host"
+            t0 = time.perf_counter()
+            if not self.residency.place(v, evict_held=False):
+                return "host"
+            self.load_log.record(HOST_TO_DEVICE, time.perf_counter() - t0)
+            self.residency.trim_host()
+            self._touch(v)
+            return "device"
 
     def deactivate(self, ref: AdapterRef) -> None:
         with self._lock:

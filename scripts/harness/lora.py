@@ -236,3 +236,71 @@ ADAPTERS = [  # name, r, alpha, targets, extra LoraConfig kwargs
     ("a9", 12, 6, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     ("a10", 4, 8, ["layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"], {}),  # PEFT's dotted-suffix entries
 ]
+
+
+# ---- many adapters under real traffic (bench_lora --adapters; tests/lora/test_lora_scheduling) -----------------
+
+def popularity_weights(spec: str, n: int) -> list[float]:
+    """`uniform` or `zipf:A` -> the weights of adapters 0..n-1, adapter 0 the most popular (rank k: 1 / k^A)."""
+    if spec == "uniform":
+        return [1.0] * n
+    kind, _, a = spec.partition(":")
+    if kind != "zipf" or not a:
+        raise ValueError(f"--popularity must be uniform or zipf:A, got {spec!r}")
+    return [1.0 / (k + 1) ** float(a) for k in range(n)]
+
+
+def admission_bound(arrival: list[int], first: list[int], last: list[int], w: int) -> list[int]:
+    """The queue time (steps) loom.engine.scheduler's rule guarantees each request r, given when every request was
+    queued, got its first token and ended (steps; index order = queue order): from step a_r + W on, only requests
+    queued before r or admitted before that step can hold it back, so r is admitted at a_r + W or the step after the
+    last of those ends, whichever is later."""
+    out = []
+    for r, a in enumerate(arrival):
+        ahead = [last[q] + 1 for q in range(len(arrival)) if q < r or first[q] < a + w]
+        out.append(max(w, max(ahead, default=0) - a))
+    return out
+
+
+def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrivals: list[float], params) -> dict:
+    """Drive an engine in real time: request i (prompts[i], adapter names[i]) is added `arrivals[i]` s after the
+    start. -> per request: steps and times of its arrival, first token and end, the tier its adapter was in when it
+    arrived (`tier_of`, before the request asked for it); per step: its seconds, the requests it ran, whether it only
+    decoded (no prompt: no first token came out of it) and whether a read from disk was in flight; the wall time and
+    tokens made."""
+    import time
+
+    reg = eng.adapters
+    n = len(prompts)
+    req = {k: [None] * n for k in ("arrival_step", "first_step", "last_step", "arrival_t", "first_t", "tier")}
+    steps: list[tuple[float, int, bool, bool]] = []
+    tokens = i = step = 0
+    t0 = time.perf_counter()
+    while i < n or eng.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        if i < n and not eng.has_unfinished_requests() and arrivals[i] > now:
+            time.sleep(arrivals[i] - now)  # idle until the next arrival
+            now = arrivals[i]
+        while i < n and arrivals[i] <= now:
+            req["tier"][i] = (reg.tier_of(names[i]) or "disk") if names[i] else "base"
+            eng.add_request(str(i), prompts[i], params, names[i])
+            req["arrival_step"][i], req["arrival_t"][i] = step, arrivals[i]
+            i += 1
+        loading = reg.has_pending_loads()
+        ts = time.perf_counter()
+        outs = eng.step()
+        te = time.perf_counter()
+        batch = len(eng.last_step_request_ids)
+        steps.append((te - ts, batch, batch > 0 and all(req["first_step"][int(o.request_id)] is not None
+                                                         for o in outs), loading))
+        for o in outs:
+            if o.error:
+                raise RuntimeError(f"request {o.request_id}: {o.error}")
+            k = int(o.request_id)
+            tokens += len(o.new_token_ids)
+            if req["first_step"][k] is None and o.new_token_ids:
+                req["first_step"][k], req["first_t"][k] = step, te - t0
+            if o.finished:
+                req["last_step"][k] = step
+        step += 1
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "requests": req, "steps": steps}

@@ -115,3 +115,71 @@ def report(results: dict, args) -> str:
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
+
+
+# ---- bench_lora --adapters: many adapters under traffic ----------------------------------------------------------
+
+def traffic_report(results: dict, args) -> str:
+    """The many-adapter runs (bench_lora.traffic): tokens/s against one adapter, queue time by popularity decile and
+    against the scheduler's bound, time to first token by the adapter's tier at arrival, load latencies, and step
+    time with and without a read from disk in flight; TARGET lines as above."""
+    from harness.lora import admission_bound
+
+    runs, w = results["runs"], results["max_lora_wait_steps"]
+    base = runs["one adapter"]
+    base_tps = base["tokens"] / base["wall_s"]
+    lines = [f"{args.adapters} rank-{args.rank} {args.adapter_dtype} adapters on all 7 projections, device rows for "
+             f"{args.device_adapters}, host tier {args.host_adapters}; {args.arrivals} requests x {args.max_tokens} "
+             f"tokens, {args.prompt_len}-token prompts, Poisson at {results['rate']:.2f} req/s ({args.load:.2f} x the "
+             f"one-adapter closed batch's {results['closed_tokens_per_s']:.1f} tok/s); max_lora_wait_steps {w}; "
+             f"queue = steps (ms) from arrival to first token"]
+    rows, deciles, firsts, itl, checks = [], [], [], [], []
+    for pop, run in runs.items():
+        rq = run["requests"]
+        q_steps = [f - a for f, a in zip(rq["first_step"], rq["arrival_step"])]
+        q_ms = [1000 * (f - a) for f, a in zip(rq["first_t"], rq["arrival_t"])]
+        excess = max(q - b for q, b in zip(q_steps, admission_bound(rq["arrival_step"], rq["first_step"],
+                                                                     rq["last_step"], w)))
+        tiers = [t for t, _ in run["loads"]]
+        tps = run["tokens"] / run["wall_s"]
+        rows.append([pop, tps, bc.ratio(tps, base_tps), bc.percentile(q_steps, 50), bc.percentile(q_steps, 99),
+                     max(q_steps), excess, bc.percentile(q_ms, 99), run["evictions"],
+                     tiers.count("disk_to_host"), tiers.count("host_to_device")])
+        if pop == "one adapter":
+            continue
+        for d in range(10):
+            sel = [i for i, k in enumerate(run["ranks"]) if k * 10 // args.adapters == d]
+            deciles.append([pop, f"{d + 1} (ad{d * args.adapters // 10}..)", len(sel),
+                            bc.percentile([q_steps[i] for i in sel], 99), bc.percentile([q_ms[i] for i in sel], 99)])
+        for tier in ("device", "host", "disk", "loading"):
+            sel = [q_ms[i] for i, t in enumerate(rq["tier"]) if t == tier]
+            if sel:
+                firsts.append([pop, f"request, adapter in {tier}", len(sel), bc.percentile(sel, 50),
+                               bc.percentile(sel, 99)])
+        for tier in ("disk_to_host", "host_to_device"):
+            sel = [1000 * s for t, s in run["loads"] if t == tier]
+            if sel:
+                firsts.append([pop, f"load {tier}", len(sel), bc.percentile(sel, 50), bc.percentile(sel, 99)])
+        quiet = [(1000 * s, b) for s, b, decode, loading in run["steps"] if decode and not loading]
+        busy = [(1000 * s, b) for s, b, decode, loading in run["steps"] if decode and loading]
+        p99q, p99b = (bc.percentile([ms for ms, _ in x], 99) for x in (quiet, busy))
+        itl += [[pop, what, len(x), statistics.mean(b for _, b in x) if x else None,
+                 bc.percentile([ms for ms, _ in x], 50), bc.percentile([ms for ms, _ in x], 99)]
+                for what, x in (("no read in flight", quiet), ("a disk read in flight", busy))]
+        checks += [(f"{pop}: tokens/s >= 0.80x one adapter", tps >= 0.8 * base_tps, f"{bc.ratio(tps, base_tps):.3f}x"),
+                   (f"{pop}: every request's queue time within the stated bound", excess <= 0,
+                    f"max excess {excess} steps, max queue {max(q_steps)} steps (W {w})")]
+        if busy:
+            checks.append((f"{pop}: step p99 while a disk read is in flight within 5% of without", p99b <= 1.05 * p99q,
+                           f"{p99b:.1f} vs {p99q:.1f} ms"))
+    lines.append(bc.table(["run", "tok/s", "ratio", "queue p50", "p99", "max", "max - bound", "queue p99 ms",
+                           "evictions", "disk reads", "host->device"], rows, digits=2))
+    lines.append("queue time by popularity decile of the adapters (decile 1 = the most popular tenth):")
+    lines.append(bc.table(["run", "decile", "requests", "queue p99 steps", "queue p99 ms"], deciles))
+    lines.append("first use: time to first token by where the adapter was when its request arrived; load latencies:")
+    lines.append(bc.table(["run", "what", "n", "p50 ms", "p99 ms"], firsts))
+    lines.append("decode-only steps (the running streams' inter-token latency; steps with a prompt left out):")
+    lines.append(bc.table(["run", "steps", "n", "mean batch", "p50 ms", "p99 ms"], itl))
+    for what, ok, detail in checks:
+        lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
+    return "\n".join(lines)

@@ -135,6 +135,22 @@ def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
     assert not list(tmp.glob("loom-bench-adapters-*"))
 
 
+def test_bench_lora_many_adapters_smoke(tmp_path):
+    """--adapters: Poisson traffic over many adapters (few device rows) against one adapter: every run's row, the
+    deciles, first use by tier, the targets; every request within the scheduler's stated bound."""
+    out = tmp_path / "traffic.json"
+    p = run_script("bench_lora.py", "--adapters", "12", "--popularity", "zipf:1.0", "uniform", "--arrivals", "8",
+                   "--max-tokens", "3", "--prompt-len", "4", "--device-adapters", "2", "--host-adapters", "4",
+                   "--weight-files", "2", "--json", str(out))
+    for pop in ("zipf:1.0", "uniform"):
+        assert f"TARGET {pop}: tokens/s >= 0.80x one adapter" in p.stdout, p.stdout
+        assert f"TARGET {pop}: every request's queue time within the stated bound: " in p.stdout
+        assert [ln for ln in p.stdout.splitlines() if ln.startswith(f"TARGET {pop}: every request")][0].endswith(" met")
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"one adapter", "zipf:1.0", "uniform"}
+    assert all(r["tokens"] == 8 * 3 for r in runs.values())
+
+
 def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     """Each loom thread count is set against the vLLM setting computing on as many threads; the no-LoRA target takes
     loom's best against vLLM's best; token agreement covers every loom row."""
