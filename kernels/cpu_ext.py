@@ -4,7 +4,8 @@ GEMM of linear layers over weights packed once into register-tile panels, and th
 Plain C++ with a C ABI (no torch headers: it builds in seconds), compiled once per machine with the system
 compiler into a per-user cache folder (never the repository) keyed by a hash of the source, flags and compiler
 (concurrent first builds take turns on a lock file; the library appears by atomic rename), and called through ctypes
-(which releases the GIL). Float32 activations and weights (adapter pools also bfloat16 / float16). AVX2/FMA/F16C
+(which releases the GIL). Float32 activations and weights (adapter pools also bfloat16 / float16); the pointwise,
+KV store and attention kernels also take bfloat16 activations and caches (float32 math). AVX2/FMA/F16C
 intrinsics when the CPU has them (exp: the Cephes polynomial, about 1 ulp), and an AVX-512 GEMM tile where it has
 that too; plain loops otherwise. Parallel with
 OpenMP over independent work items, with torch's thread count; the library links libgomp.so.1, which resolves to
@@ -66,6 +67,11 @@ _SIGNATURES = {
     "loom_decoder_layer_workspace": [_P, _I64],
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P],
 }
+# the bfloat16 variants of the pointwise, KV store and attention kernels (ACT_SUFFIX): the same arguments, but the
+# norm's, which also says whether its weight is float32
+_SIGNATURES.update({f"{name}_bf16": _SIGNATURES[name] for name in (
+    "loom_paged_decode", "loom_paged_prefill", "loom_store_kv", "loom_rotary", "loom_silu_mul", "loom_gelu_tanh_mul")})
+_SIGNATURES["loom_rms_norm_bf16"] = [_P, _I64, _P, _I64, _P, _I32, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32]
 
 
 # instruction sets the kernels are built for, widest first: (name, the CPU flags it needs, compiler flags)
@@ -221,6 +227,22 @@ def usable(*tensors: torch.Tensor) -> bool:
         if not (t.is_cpu and t.dtype == torch.float32):  # is_cpu: no device object made per call
             return False
     return True
+
+
+# element types of activations and KV caches the pointwise, KV store and attention kernels take, as the suffix of
+# their functions' names (bfloat16: 16-bit storage, float32 math, each result rounded once)
+ACT_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+
+
+def act_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The one dtype of these CPU tensors when the pointwise / attention kernels take it (ACT_SUFFIX), else None."""
+    dt = tensors[0].dtype
+    if dt not in ACT_SUFFIX:
+        return None
+    for t in tensors:
+        if not (t.is_cpu and t.dtype == dt):
+            return None
+    return dt
 
 
 # element types of adapter pools the LoRA kernels read (lora_dtype), as their type code (common.h with_type)

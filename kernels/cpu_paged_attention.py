@@ -2,7 +2,8 @@
 store of a step's K/V into the cache.
 
 The references (paged_decode_attention_ref / paged_prefill_attention_ref) gather every sequence's K/V
-into a padded copy and run SDPA; these walk the block table instead: per (sequence, kv head) for decode,
+into a padded copy and run SDPA; these walk the block table instead (float32 or bfloat16 q / caches / out: a bfloat16
+cache is read in place, widened; the math is float32 and each output rounded once): per (sequence, kv head) for decode,
 the kv group's query heads share each key row read; per (sequence, query tile of 16, head) for prefill.
 Same signatures and options as the references (docs/CONTRACTS.md): `sliding_window` W - a query at
 position p sees keys k with p - W < k <= p; `softcap` c - scores become c * tanh(s / c) before softmax.
@@ -31,15 +32,15 @@ def _cache_ok(k_cache, v_cache) -> bool:
 
 
 def takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) -> bool:
-    """Whether the C++ attention takes these tensors (float32 CPU, contiguous caches and out rows); raises
-    ValueError for options no implementation takes, whichever then runs on CPU."""
+    """Whether the C++ attention takes these tensors (CPU, one dtype: float32 or bfloat16, contiguous caches and out
+    rows); raises ValueError for options no implementation takes, whichever then runs on CPU."""
     attention_options(sliding_window, softcap)
-    return (cpu_ext.usable(q, k_cache, v_cache) and _cache_ok(k_cache, v_cache)
-            and (out is None or (cpu_ext.usable(out) and out.stride(-1) == 1)))
+    return (cpu_ext.act_dtype(q, k_cache, v_cache) is not None and _cache_ok(k_cache, v_cache)
+            and (out is None or (out.dtype == q.dtype and out.is_cpu and out.stride(-1) == 1)))
 
 
 def takes_store_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
-    return (cpu_ext.usable(k, v, k_cache, v_cache) and _cache_ok(k_cache, v_cache) and k.shape == v.shape
+    return (cpu_ext.act_dtype(k, v, k_cache, v_cache) is not None and _cache_ok(k_cache, v_cache) and k.shape == v.shape
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
             and slot_mapping.shape[0] == k.shape[0] and _rows(k) and _rows(v))
 
@@ -49,9 +50,9 @@ def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
     store_kv_ref; one row copy per token."""
     T = k.shape[0]
     if T:
-        cpu_ext.built().loom_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                                     v_cache.data_ptr(), slot_mapping.data_ptr(), T,
-                                     k_cache.shape[2] * k_cache.shape[3])
+        getattr(cpu_ext.built(), "loom_store_kv" + cpu_ext.ACT_SUFFIX[k.dtype])(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), T, k_cache.shape[2] * k_cache.shape[3])
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -72,9 +73,10 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     _, block_size, KVH, _ = k_cache.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     bt, sl = cpu_ext.contiguous(block_tables, torch.int32), cpu_ext.contiguous(seq_lens, torch.int32)
-    lib.loom_paged_decode(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_size,
-                          KVH, D, bt.data_ptr(), bt.shape[1], sl.data_ptr(), B, H, out.data_ptr(), out.stride(0),
-                          out.stride(1), scale, window, cap, cpu_ext.nthreads())
+    fn = getattr(lib, "loom_paged_decode" + cpu_ext.ACT_SUFFIX[q.dtype])
+    fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_size, KVH, D,
+       bt.data_ptr(), bt.shape[1], sl.data_ptr(), B, H, out.data_ptr(), out.stride(0), out.stride(1), scale, window,
+       cap, cpu_ext.nthreads())
     return out
 
 
@@ -91,8 +93,8 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
     _, block_size, KVH, _ = k_cache.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     cu, sl, bt = (cpu_ext.contiguous(a, torch.int32) for a in (cu_seqlens_q, seq_lens, block_tables))
-    lib.loom_paged_prefill(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                           block_size, KVH, D, cu.data_ptr(), sl.data_ptr(), sl.shape[0], bt.data_ptr(), bt.shape[1],
-                           H, out.data_ptr(), out.stride(0), out.stride(1), scale, window, cap, PREFILL_TILE,
-                           cpu_ext.nthreads())
+    fn = getattr(lib, "loom_paged_prefill" + cpu_ext.ACT_SUFFIX[q.dtype])
+    fn(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), block_size, KVH, D,
+       cu.data_ptr(), sl.data_ptr(), sl.shape[0], bt.data_ptr(), bt.shape[1], H, out.data_ptr(), out.stride(0),
+       out.stride(1), scale, window, cap, PREFILL_TILE, cpu_ext.nthreads())
     return out

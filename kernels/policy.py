@@ -3,10 +3,14 @@
 `_TABLE` below is the one decision, from the device, the environment, whether the C++ library built and the dtype:
   - CUDA: Triton (GEMMs are cuBLAS through F.linear; argmax is torch's).
   - LOOM_FORCE_TRITON=1: Triton on CPU too (run by TRITON_INTERPRET=1: the engine parity tests); argmax is torch's.
-  - CPU: the C++ kernels where they built (float32 only: a bfloat16 model runs the references, though its float32
-    logits still take the C++ argmax), unless LOOM_CPU_KERNELS=0; the references otherwise. A float32 model with the
-    library also has its linear layers' weights packed for the C++ GEMM (Triton forced or not) and, its forward not
-    compiled, each decoder layer run as one C++ call (engine/cpu.py sets both up).
+  - CPU: the C++ kernels where they built, unless LOOM_CPU_KERNELS=0; the references otherwise. By dtype:
+    float32: every C++ kernel; its linear layers' weights packed for the C++ GEMM (Triton forced or not) and, its
+      forward not compiled, each decoder layer run as one C++ call (engine/cpu.py sets both up).
+    bfloat16: the C++ norms, rotary, activations, KV store and paged attention (bfloat16 storage, float32 math; the
+      cache read in place); its linear layers run oneDNN's prepacked bfloat16 GEMM (weights re-laid out once at
+      start; AMX / avx512_bf16 where the CPU has them), where torch's oneDNN takes bfloat16 on this CPU and the
+      forward is not compiled; LoRA, MoE experts and the one-call layer stay on the PyTorch path (float32 only).
+    float16: the references. Every dtype's float32 logits take the C++ argmax.
 An engine decides once at its start (`decide`; model_runner logs `describe`); kernels/dispatch.py asks `for_tensor`
 at each call: the same decision for the device and dtype of the call's tensors (an engine's tensors get the engine's
 ops and argmax paths; a kernel test's, the default for them). Whether a C++ kernel takes a call's tensors (dtype,
@@ -15,6 +19,7 @@ tests may set it after import.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -26,17 +31,25 @@ from loom.kernels import cpu_ext
 TRITON, CPU, REFERENCE = "triton", "cpu", "reference"
 
 
+GEMM_LOOM, GEMM_ONEDNN = "loom", "onednn"  # the C++ GEMM over packed float32 panels; oneDNN's prepacked bfloat16
+
+
 @dataclass(frozen=True)
 class KernelPath:
     ops: str  # attention, the KV store, norms, rotary, activations, LoRA, fused_moe: TRITON, CPU or REFERENCE
     argmax: str  # CPU or REFERENCE (torch.argmax: there is no Triton argmax)
-    packed: bool  # linear layers run the C++ GEMM over weights packed at start
+    gemm: str  # linear layers over weights packed at start: GEMM_LOOM, GEMM_ONEDNN, or "" (F.linear)
     layer_pass: bool  # each decoder layer the C++ layer takes runs in one call (models/layer_pass.py)
+
+    @property
+    def packed(self) -> bool:
+        """Linear layers run over weights packed at start (engine/cpu.py apply_path)."""
+        return bool(self.gemm)
 
     @property
     def packed_experts(self) -> bool:
         """MoE experts over packed weights (kernels/cpu_moe.py); Triton forced, fused_moe's kernel runs them."""
-        return self.packed and self.ops == CPU
+        return self.gemm == GEMM_LOOM and self.ops == CPU
 
     def describe(self, dtype: torch.dtype) -> str:
         """One line for the engine's start: which path runs and why."""
@@ -44,41 +57,75 @@ class KernelPath:
             gemm = "; linear layers: the C++ GEMM over packed weights" if self.packed else ""
             return f"kernels: Triton{gemm}"
         if self.ops == CPU:
-            return cpu_ext.describe() + ("; each decoder layer in one C++ call" if self.layer_pass else "")
+            line = cpu_ext.describe() + ("; each decoder layer in one C++ call" if self.layer_pass else "")
+            if dtype != torch.float32:
+                name = str(dtype).removeprefix("torch.")
+                gemm = "oneDNN's prepacked bfloat16 GEMM" if self.gemm == GEMM_ONEDNN else "F.linear"
+                units = ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in cpu_ext.cpu_flags()) or \
+                    "no 16-bit units: emulated"
+                line += (f"; {name}: C++ norms, rotary, activations, KV store, paged attention (float32 math); "
+                         f"linear layers: {gemm} ({units}); LoRA and MoE experts: PyTorch")
+            return line
         if not cpu_ext.enabled():
             return cpu_ext.describe()
         if self.argmax == CPU:  # built, but not for this dtype
-            return f"CPU kernels: float32 only; this {dtype} model runs the PyTorch references (argmax: C++)"
+            return (f"CPU kernels: float32 and bfloat16 only; this {dtype} model runs the PyTorch references "
+                    "(argmax: C++)")
         return "kernels: the PyTorch references (no C++ library: see the warning above)"
 
 
-# (Triton, C++ library built, float32, compiled) -> the path
+F32, BF16, OTHER = "float32", "bfloat16", "other"  # the dtype dimension: what the C++ kernels take
+
+
+def _gemm(triton: bool, built: bool, kind: str, compiled: bool, onednn: bool) -> str:
+    if built and kind == F32:
+        return GEMM_LOOM
+    if built and kind == BF16 and onednn and not (triton or compiled):
+        return GEMM_ONEDNN
+    return ""
+
+
+# (Triton, C++ library built, dtype kind, compiled, oneDNN takes bfloat16 on this CPU) -> the path
 _TABLE = {
-    (triton, built, f32, compiled): KernelPath(
-        ops=TRITON if triton else CPU if built and f32 else REFERENCE,
+    (triton, built, kind, compiled, onednn): KernelPath(
+        ops=TRITON if triton else CPU if built and kind in (F32, BF16) else REFERENCE,
         argmax=CPU if built and not triton else REFERENCE,
-        packed=built and f32,
-        layer_pass=built and f32 and not (triton or compiled))
-    for triton, built, f32, compiled in itertools.product((False, True), repeat=4)
+        gemm=_gemm(triton, built, kind, compiled, onednn),
+        layer_pass=built and kind == F32 and not (triton or compiled))
+    for triton, built, compiled, onednn in itertools.product((False, True), repeat=4) for kind in (F32, BF16, OTHER)
 }
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return F32 if dtype == torch.float32 else BF16 if dtype == torch.bfloat16 else OTHER
 
 
 def decide(device: torch.device | str, dtype: torch.dtype, compiled: bool = False) -> KernelPath:
     """An engine's path, decided once at its start (compiled: its CPU forward runs under torch.compile)."""
-    return _ON_CUDA if torch.device(device).type == "cuda" else _on_cpu(dtype == torch.float32, compiled)
+    return _ON_CUDA if torch.device(device).type == "cuda" else _on_cpu(_kind(dtype), compiled)
 
 
 def for_tensor(t: torch.Tensor) -> KernelPath:
     """The ops and argmax paths of an op on t, asked at each call: cheap (~2 us on CPU, reading the environment),
     and traceable by torch.compile (while tracing nothing runs the C++ kernels, whose ctypes calls cannot be traced:
     the references do, which inductor fuses)."""
-    return _ON_CUDA if t.is_cuda else _on_cpu(t.dtype == torch.float32, False)
+    return _ON_CUDA if t.is_cuda else _on_cpu(_KINDS.get(t.dtype, OTHER), False)
 
 
-def _on_cpu(f32: bool, compiled: bool) -> KernelPath:
+_KINDS = {torch.float32: F32, torch.bfloat16: BF16}
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_bf16() -> bool:
+    from loom.kernels.cpu_linear import onednn_bf16
+
+    return onednn_bf16()
+
+
+def _on_cpu(kind: str, compiled: bool) -> KernelPath:
     # load(): None with LOOM_CPU_KERNELS=0 or a failed build
     built = not torch.compiler.is_compiling() and cpu_ext.load() is not None
-    return _TABLE[os.environ.get("LOOM_FORCE_TRITON") == "1", built, f32, compiled]
+    return _TABLE[os.environ.get("LOOM_FORCE_TRITON") == "1", built, kind, compiled, built and _onednn_bf16()]
 
 
-_ON_CUDA = _TABLE[True, False, False, False]
+_ON_CUDA = _TABLE[True, False, OTHER, False, False]

@@ -51,7 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=300, help="tokens generated per request (EOS ignored)")
     ap.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
     ap.add_argument("--model", default="", help="HF model folder (default: the default model)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="the peers' dtype (vLLM, HF), and loom's unless --loom-dtype")
+    ap.add_argument("--loom-dtype", nargs="+", default=None, choices=("float32", "float16", "bfloat16"),
+                    help="loom's dtype(s), one run each (e.g. float32 bfloat16: loom f32 vs bf16 against bf16 peers)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (all systems use the same)")
     ap.add_argument("--skip", action="append", default=[], choices=("hf-static", "hf-cb"),
                     help="leave a peer out (repeatable)")
@@ -75,8 +78,12 @@ def parse_args(argv=None):
 
 # ---- loom --------------------------------------------------------------------------------------
 
-def engine_kwargs(args) -> dict:
-    kw = {"dtype": args.dtype, "device": args.device}
+def loom_dtypes(args) -> list[str]:
+    return args.loom_dtype or [args.dtype]
+
+
+def engine_kwargs(args, dtype: str | None = None) -> dict:
+    kw = {"dtype": dtype or args.dtype, "device": args.device}
     if args.kv_cache_memory_bytes:
         kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.max_num_seqs:
@@ -272,6 +279,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "min_common_prefix": min(prefixes) if prefixes else 0}
 
 
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
 def _loom_names(sysres: dict) -> list[str]:
     return [k for k in sysres if k.startswith("loom") and "error" not in sysres[k]]
 
@@ -340,6 +350,19 @@ def report(res: dict, args) -> str:
         if ag:
             lines.append(f"{name}: greedy tokens identical to hf-static {ag['identical']}/{ag['total']} (mean common "
                          f"prefix {ag['mean_common_prefix']:.0f} of {args.max_tokens}; left padding can change a few)")
+    lines.append(f"CPU 16-bit units: {', '.join(res['machine'].get('cpu_16bit_units') or []) or 'none'}")
+    for name in _loom_names(sysres):
+        lines.append(f"{name} ({sysres[name].get('dtype')}): {sysres[name].get('kernels')}")
+    for name in _vllm_names(sysres):
+        lines.append(f"{name}: {args.dtype}, its own CPU build's kernels (oneDNN / IPEX: they dispatch to the units "
+                     "above)")
+    for t in sorted({sysres[k]["threads"] for k in _loom_names(sysres)}):
+        by = {sysres[k].get("dtype"): k for k in _loom_names(sysres) if sysres[k]["threads"] == t}
+        if "bfloat16" in by and "float32" in by:
+            b, f = sysres[by["bfloat16"]], sysres[by["float32"]]
+            tp = bc.ratio(b["tokens_per_s"], f["tokens_per_s"])
+            lat = bc.ratio(b["latency"]["mean"], f["latency"]["mean"])
+            lines.append(f"loom bf16 / loom f32 at {t} thread(s): {tp:.2f}x tokens/s, mean latency {lat:.2f}x")
     first = sysres[_loom_names(sysres)[0]]
     kv = first.get("kv", {})
     if kv:
@@ -409,28 +432,32 @@ def run_loom_variants(args, model_dir: str, prompt_ids, warm_ids) -> dict[str, d
     from loom.engine.llm import LLM
 
     modes = ["eager", "compiled"] if args.compile == "both" else [args.compile]
+    dtypes = loom_dtypes(args)
     out = {}
-    for threads in args.threads:
-        for mode in modes:
-            name = f"loom {mode} {threads}t"
-            bc.progress(f"{name}: loading{' and compiling (minutes)' if mode == 'compiled' else ''}")
-            t = time.perf_counter()
-            llm = LLM(model_dir, **engine_kwargs(args), cpu_threads=threads, cpu_compile=mode == "compiled")
-            startup = time.perf_counter() - t
-            if not args.no_warmup:
-                # the same lengths and batch shapes, other tokens (rotated): nothing of the timed prompts is in
-                # the prefix cache afterwards
-                bc.progress(f"{name}: warm-up (all prompts rotated, 2 tokens)")
-                run_loom(llm, warm_ids, 2, 1e9)
-            bc.progress(f"{name}: running ({torch.get_num_threads()} torch threads)")
-            r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
-            r.update(kv=loom_kv_share(r), threads=threads, mode=mode, startup_s=startup,
-                     compile_s=llm.engine.runner.forward.compile_s)
-            out[name] = r
-            bc.progress(f"{name}: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, mean latency "
-                        f"{r['latency']['mean']:.2f}s, other CPU {r['cpu']['other_cpu_s']:.1f}s")
-            del llm
-            gc.collect()
+    for threads, dtype, mode in itertools.product(args.threads, dtypes, modes):
+        name = f"loom {mode} {threads}t" + (f" {_SHORT[dtype]}" if dtypes != [args.dtype] else "")
+        bc.progress(f"{name}: loading{' and compiling (minutes)' if mode == 'compiled' else ''}")
+        t = time.perf_counter()
+        llm = LLM(model_dir, **engine_kwargs(args, dtype), cpu_threads=threads, cpu_compile=mode == "compiled")
+        startup = time.perf_counter() - t
+        runner = llm.engine.runner
+        kernels = runner.kernels.describe(runner.dtype)  # loom's dispatch: which kernels and CPU units ran
+        bc.progress(f"{name}: {kernels}")
+        if not args.no_warmup:
+            # the same lengths and batch shapes, other tokens (rotated): nothing of the timed prompts is in
+            # the prefix cache afterwards
+            bc.progress(f"{name}: warm-up (all prompts rotated, 2 tokens)")
+            run_loom(llm, warm_ids, 2, 1e9)
+        bc.progress(f"{name}: running ({torch.get_num_threads()} torch threads)")
+        r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
+        r.update(kv=loom_kv_share(r), threads=threads, mode=mode, startup_s=startup,
+                 compile_s=llm.engine.runner.forward.compile_s, dtype=str(runner.dtype).removeprefix("torch."),
+                 kernels=kernels)
+        out[name] = r
+        bc.progress(f"{name}: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, mean latency "
+                    f"{r['latency']['mean']:.2f}s, other CPU {r['cpu']['other_cpu_s']:.1f}s")
+        del llm
+        gc.collect()
     return out
 
 

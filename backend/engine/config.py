@@ -14,7 +14,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class EngineConfig:
     model: str = ""  # HF model directory; empty = the default model (built offline once)
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype (bf16/fp16) on CUDA
+    dtype: str = "auto"  # auto: the checkpoint's dtype (bf16/fp16) on CUDA; on CPU see resolve_dtype
     device: str = "auto"  # auto: cuda if available else cpu
     block_size: int = 16
     # KV memory: a byte budget on CPU; on CUDA a fraction of total GPU memory (after profiling) unless bytes given.
@@ -124,10 +124,24 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The model's dtype: dtype itself, or for auto: on CUDA the checkpoint's 16-bit type (else bfloat16); on CPU
+        bfloat16 where the checkpoint is 16-bit and the CPU has native bfloat16 units (avx512_bf16 or amx_bf16, as
+        vLLM's CPU build picks), float32 otherwise (a float32 checkpoint stays float32: no rounding of its weights;
+        without those units bfloat16 is emulated and slower than float32). Logged; dtype=float32 overrides."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
         if self.torch_device.type == "cpu":
-            return torch.float32
+            import logging
+
+            from loom.kernels.cpu_ext import cpu_flags
+
+            units = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+            bf16 = checkpoint_dtype in (torch.float16, torch.bfloat16) and bool(units)
+            logging.getLogger("loom").info(
+                "dtype auto on CPU: %s (checkpoint %s; CPU bfloat16 units: %s; set dtype to override)",
+                "bfloat16" if bf16 else "float32", str(checkpoint_dtype).removeprefix("torch."),
+                ", ".join(units) or "none")
+            return torch.bfloat16 if bf16 else torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:

@@ -2,7 +2,8 @@
 effects). model_runner calls set_up_process (the number of compute threads, MKL's instruction set on AMD, malloc's
 reuse of freed activations), then decides the kernel path (kernels/policy.py: Triton, the C++ kernels or the
 references, whether weights are packed and the layer pass runs) and applies it here (apply_path: the linear layers'
-and MoE experts' GEMMs over packed weights, each decoder layer in one C++ call, models/layer_pass.py).
+and MoE experts' GEMMs over packed weights - float32: the C++ GEMM's panels; bfloat16: oneDNN's prepacked layout -,
+each decoder layer in one C++ call, models/layer_pass.py).
 
 Elsewhere, by layer: each op's choice per call is kernels/dispatch.py; the C++ library's build and the OpenMP
 helpers for threads beside the compute thread (serial_thread, on_a_passing_thread; lora/ uses them) are
@@ -108,7 +109,16 @@ def apply_path(model: nn.Module, path) -> None:
     nothing (CUDA, the references)."""
     if not path.packed:
         return
-    pack_linear_weights(model, experts=path.packed_experts)
+    import time
+
+    from loom.kernels.policy import GEMM_ONEDNN
+
+    t = time.perf_counter()
+    if path.gemm == GEMM_ONEDNN:
+        n, how = pack_linear_weights_bf16(model), "oneDNN's prepacked bfloat16 layout"
+    else:
+        n, how = pack_linear_weights(model, experts=path.packed_experts), "the C++ GEMM's panels"
+    log.info("packed %d linear layers' weights for %s in %.2fs", n, how, time.perf_counter() - t)
     decoder = getattr(model, "model", None)
     if path.layer_pass and hasattr(decoder, "layer_pass"):
         from loom.models.layer_pass import LayerPass
@@ -148,3 +158,24 @@ def pack_linear_weights(model: nn.Module, experts: bool = True) -> int:
         else:
             mod.forward = PackedWeight(mod.weight, mod.bias, out=out)
     return len(mods)
+
+
+def pack_linear_weights_bf16(model: nn.Module) -> int:
+    """Route every linear layer of a CPU bfloat16 model through oneDNN's prepacked bfloat16 GEMM
+    (kernels/cpu_linear.PrepackedBf16, weights re-laid out once here): LoRALinear via its `dense` hook (its LoRA then
+    runs after it, on the PyTorch path), plain nn.Linear (lm_head, MoE routers) via its forward; MoE experts keep
+    their PyTorch path. Returns how many modules were packed; each holds a second, packed copy of its weights."""
+    from loom.kernels.cpu_linear import PrepackedBf16
+    from loom.layers.linear import LoRALinear
+
+    n = 0
+    for mod in model.modules():
+        if not isinstance(mod, (LoRALinear, nn.Linear)) or mod.weight.dtype != torch.bfloat16:
+            continue
+        packed = PrepackedBf16(mod.weight, mod.bias)
+        if isinstance(mod, LoRALinear):
+            mod.dense = packed
+        else:
+            mod.forward = packed
+        n += 1
+    return n

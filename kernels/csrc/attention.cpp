@@ -13,9 +13,23 @@ namespace {
 // Up to 3 query rows that share a kv head and a key range (the query heads of one kv head, GQA) go through
 // the keys together: each key / value vector is loaded once for all of them.
 
-// s[g * ld + j] = q_g . (k_j + off), g < GR, for n key rows of D floats
-template <int GR>
-inline void dots(const float* const* q, const float* const* keys, int64_t off, int64_t n, int64_t D, float* s,
+// Keys and values of KT: float, or bfloat16 (a 16-bit cache, widened as they are loaded; the math float32).
+
+// q . k over n elements, k of any element type (the vector paths below cover D % 8 == 0)
+template <class KT>
+inline float dot_any(const float* q, const KT* k, int64_t n) {
+  if constexpr (std::is_same_v<KT, float>) {
+    return dot(q, k, n);
+  } else {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; ++i) s += q[i] * to_f32(k[i]);
+    return s;
+  }
+}
+
+// s[g * ld + j] = q_g . (k_j + off), g < GR, for n key rows of D elements
+template <int GR, class KT>
+inline void dots(const float* const* q, const KT* const* keys, int64_t off, int64_t n, int64_t D, float* s,
                  int64_t ld) {
   int64_t j = 0;
 #ifdef __AVX2__
@@ -24,12 +38,12 @@ inline void dots(const float* const* q, const float* const* keys, int64_t off, i
       __m256 acc[GR][4];
       _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g)
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
-      const float* k[4] = {keys[j] + off, keys[j + 1] + off, keys[j + 2] + off, keys[j + 3] + off};
+      const KT* k[4] = {keys[j] + off, keys[j + 1] + off, keys[j + 2] + off, keys[j + 3] + off};
       for (int64_t d = 0; d < D; d += 8) {
         __m256 qv[GR];
         _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) qv[g] = _mm256_loadu_ps(q[g] + d);
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
-          const __m256 kv = _mm256_loadu_ps(k[i] + d);
+          const __m256 kv = load8(k[i] + d);
           _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) acc[g][i] = _mm256_fmadd_ps(qv[g], kv, acc[g][i]);
         }
       }
@@ -41,23 +55,23 @@ inline void dots(const float* const* q, const float* const* keys, int64_t off, i
   }
 #endif
   for (; j < n; ++j)
-    for (int g = 0; g < GR; ++g) s[g * ld + j] = dot(q[g], keys[j] + off, D);
+    for (int g = 0; g < GR; ++g) s[g * ld + j] = dot_any(q[g], keys[j] + off, D);
 }
 
 #ifdef __AVX2__
 // acc_g[0:8*NC] += sum_j p[g * ld + j] * (v_j + off)[0:8*NC], the accumulators held in registers
-template <int GR, int NC>
-inline void pv_block(float* const* acc, const float* p, int64_t ld, const float* const* vals, int64_t off,
+template <int GR, int NC, class KT>
+inline void pv_block(float* const* acc, const float* p, int64_t ld, const KT* const* vals, int64_t off,
                      int64_t n) {
   __m256 a[GR][NC];
   _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g)
     _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) a[g][c] = _mm256_loadu_ps(acc[g] + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
-    const float* v = vals[j] + off;
+    const KT* v = vals[j] + off;
     __m256 w[GR];
     _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) w[g] = _mm256_set1_ps(p[g * ld + j]);
     _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) {
-      const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+      const __m256 vv = load8(v + 8 * c);
       _Pragma("GCC unroll 3") for (int g = 0; g < GR; ++g) a[g][c] = _mm256_fmadd_ps(w[g], vv, a[g][c]);
     }
   }
@@ -67,8 +81,8 @@ inline void pv_block(float* const* acc, const float* p, int64_t ld, const float*
 #endif
 
 // acc_g[0:D] += sum_j p[g * ld + j] * (v_j + off), g < GR
-template <int GR>
-inline void pv(float* const* acc, const float* p, int64_t ld, const float* const* vals, int64_t off, int64_t n,
+template <int GR, class KT>
+inline void pv(float* const* acc, const float* p, int64_t ld, const KT* const* vals, int64_t off, int64_t n,
                int64_t D) {
 #ifdef __AVX2__
   if (D % 8 == 0) {
@@ -76,17 +90,24 @@ inline void pv(float* const* acc, const float* p, int64_t ld, const float* const
       float* a[GR];
       for (int g = 0; g < GR; ++g) a[g] = acc[g] + d0;
       switch (std::min<int64_t>(4, (D - d0) / 8)) {
-        case 4: pv_block<GR, 4>(a, p, ld, vals, off + d0, n); break;
-        case 3: pv_block<GR, 3>(a, p, ld, vals, off + d0, n); break;
-        case 2: pv_block<GR, 2>(a, p, ld, vals, off + d0, n); break;
-        default: pv_block<GR, 1>(a, p, ld, vals, off + d0, n); break;
+        case 4: pv_block<GR, 4, KT>(a, p, ld, vals, off + d0, n); break;
+        case 3: pv_block<GR, 3, KT>(a, p, ld, vals, off + d0, n); break;
+        case 2: pv_block<GR, 2, KT>(a, p, ld, vals, off + d0, n); break;
+        default: pv_block<GR, 1, KT>(a, p, ld, vals, off + d0, n); break;
       }
     }
     return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j)
-    for (int g = 0; g < GR; ++g) axpy(acc[g], vals[j] + off, p[g * ld + j], D);
+    for (int g = 0; g < GR; ++g) {
+      if constexpr (std::is_same_v<KT, float>) {
+        axpy(acc[g], vals[j] + off, p[g * ld + j], D);
+      } else {
+        const KT* v = vals[j] + off;
+        for (int64_t d = 0; d < D; ++d) acc[g][d] += p[g * ld + j] * to_f32(v[d]);
+      }
+    }
 }
 
 constexpr int64_t KEY_TILE = 128;  // keys per online-softmax step (their K/V rows stay in L1/L2 for all rows)
@@ -98,15 +119,17 @@ struct Row {
   int64_t qpos, head_off;
 };
 
+template <class KT>
 struct Cache {
-  const float* k;
-  const float* v;
+  const KT* k;
+  const KT* v;
   const int32_t* table;  // this sequence's row of the block table
   int64_t block_size, row_stride, D;  // row_stride = KVH * D: one position's keys of every kv head
 };
 
+template <class KT>
 struct Scratch {
-  std::vector<const float*> kp, vp;
+  std::vector<const KT*> kp, vp;
   std::vector<float> s, acc, m, l;
   float sink = 0.f;  // where the sweep's loads go (touch)
 };
@@ -116,8 +139,9 @@ struct Scratch {
 // (online softmax); each tile's rows (all kv heads of a position are contiguous) are located once and read from
 // memory once for all query rows, which may belong to several kv heads. Rows are ordered by ascending qpos.
 // `sweep`: load the rows ahead of use (decode, above).
-void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64_t window, float softcap,
-                 Scratch& w, bool sweep) {
+template <class KT>
+void attend_rows(const Row* rows, int64_t nq, const Cache<KT>& c, float scale, int64_t window, float softcap,
+                 Scratch<KT>& w, bool sweep) {
   const int64_t D = c.D, bs = c.block_size;
   auto lo_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, rows[r].qpos - window + 1) : int64_t(0); };
   int64_t kmin = lo_of(0);
@@ -172,8 +196,8 @@ void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64
       const float* qs[3] = {rows[r].q, gr > 1 ? rows[r + 1].q : nullptr, gr > 2 ? rows[r + 2].q : nullptr};
       float* accs[3] = {w.acc.data() + r * D, gr > 1 ? w.acc.data() + (r + 1) * D : nullptr,
                         gr > 2 ? w.acc.data() + (r + 2) * D : nullptr};
-      const float* const* kp = w.kp.data() + (a - kmin);
-      const float* const* vp = w.vp.data() + (a - kmin);
+      const KT* const* kp = w.kp.data() + (a - kmin);
+      const KT* const* vp = w.vp.data() + (a - kmin);
       if (gr == 3) dots<3>(qs, kp, off, n, D, s, KEY_TILE);
       else if (gr == 2) dots<2>(qs, kp, off, n, D, s, KEY_TILE);
       else dots<1>(qs, kp, off, n, D, s, KEY_TILE);
@@ -206,6 +230,101 @@ void attend_rows(const Row* rows, int64_t nq, const Cache& c, float scale, int64
   }
 }
 
+
+// Query and output rows of QT: float read and written in place; bfloat16 widened into float32 rows first, the
+// outputs rounded once at the end (QRows).
+template <class QT>
+struct QRows {
+  std::vector<float> q, o;
+  QRows(int64_t rows, int64_t D) : q(std::is_same_v<QT, float> ? 0 : rows * D), o(q.size()) {}
+  // the Row fields of query row i < rows (its q at qp, its output at op, D elements)
+  std::pair<const float*, float*> at(int64_t i, const QT* qp, QT* op, int64_t D) {
+    if constexpr (std::is_same_v<QT, float>) {
+      return {qp, op};
+    } else {
+      widen(qp, q.data() + i * D, D);
+      return {q.data() + i * D, o.data() + i * D};
+    }
+  }
+  void done(int64_t i, QT* op, int64_t D) {
+    if constexpr (!std::is_same_v<QT, float>) narrow(o.data() + i * D, op, D);
+  }
+};
+
+template <class QT, class KT>
+void paged_decode(const QT* q, int64_t qs0, int64_t qs1, const KT* kc, const KT* vc, int64_t block_size, int64_t KVH,
+                  int64_t D, const int32_t* bt, int64_t M, const int32_t* seq_lens, int64_t B, int64_t H, QT* out,
+                  int64_t os0, int64_t os1, float scale, int64_t window, float softcap, int nthreads) {
+  const int64_t G = H / KVH, split = B >= 2 * nthreads ? 1 : KVH, per = KVH / split;
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch<KT> scratch;
+    QRows<QT> qr(per * G, D);
+    std::vector<Row> rows(per * G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < B * split; ++i) {
+      const int64_t b = i / split, h0 = (i % split) * per;
+      for (int64_t r = 0; r < per * G; ++r) {
+        const int64_t h = h0 * G + r;  // query head
+        const auto [qp, op] = qr.at(r, q + b * qs0 + h * qs1, out + b * os0 + h * os1, D);
+        rows[r] = {qp, op, int64_t(seq_lens[b]) - 1, (h / G) * D};
+      }
+      const Cache<KT> c{kc, vc, bt + b * M, block_size, KVH * D, D};
+      attend_rows(rows.data(), per * G, c, scale, window, softcap, scratch, true);
+      for (int64_t r = 0; r < per * G; ++r) qr.done(r, out + b * os0 + (h0 * G + r) * os1, D);
+    }
+    keep(scratch.sink);
+  }
+}
+
+template <class QT, class KT>
+void paged_prefill(const QT* q, int64_t qs0, int64_t qs1, const KT* kc, const KT* vc, int64_t block_size, int64_t KVH,
+                   int64_t D, const int32_t* cu, const int32_t* seq_lens, int64_t S, const int32_t* bt, int64_t M,
+                   int64_t H, QT* out, int64_t os0, int64_t os1, float scale, int64_t window, float softcap,
+                   int64_t tile, int nthreads) {
+  const int64_t G = H / KVH;
+  std::vector<int64_t> item_seq, item_t0;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = cu[s]; t < cu[s + 1]; t += tile) {
+      item_seq.push_back(s);
+      item_t0.push_back(t);
+    }
+  const int64_t n_items = int64_t(item_seq.size()) * KVH;
+#pragma omp parallel num_threads(nthreads)
+  {
+    Scratch<KT> scratch;
+    QRows<QT> qr(tile * G, D);
+    std::vector<Row> rows(tile * G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < n_items; ++w) {
+      const int64_t it = w / KVH, h = w % KVH, s = item_seq[it], t0 = item_t0[it];
+      const int64_t nq = std::min<int64_t>(tile, cu[s + 1] - t0);
+      const int64_t first = int64_t(seq_lens[s]) - (cu[s + 1] - cu[s]) + (t0 - cu[s]);  // position of row t0
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t t = t0 + i, qh = h * G + g;
+          const auto [qp, op] = qr.at(i * G + g, q + t * qs0 + qh * qs1, out + t * os0 + qh * os1, D);
+          rows[i * G + g] = {qp, op, first + i, h * D};
+        }
+      const Cache<KT> c{kc, vc, bt + s * M, block_size, KVH * D, D};
+      attend_rows(rows.data(), nq * G, c, scale, window, softcap, scratch, false);
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) qr.done(i * G + g, out + (t0 + i) * os0 + (h * G + g) * os1, D);
+    }
+  }
+}
+
+template <class T>
+void store_kv(const T* k, int64_t ks, const T* v, int64_t vs, T* kc, T* vc, const int64_t* slots, int64_t n,
+              int64_t row) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    std::memcpy(kc + s * row, k + t * ks, row * sizeof(T));
+    std::memcpy(vc + s * row, v + t * vs, row * sizeof(T));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -218,23 +337,17 @@ void loom_paged_decode(const float* q, int64_t qs0, int64_t qs1, const float* kc
                        int64_t block_size, int64_t KVH, int64_t D, const int32_t* bt, int64_t M,
                        const int32_t* seq_lens, int64_t B, int64_t H, float* out, int64_t os0, int64_t os1,
                        float scale, int64_t window, float softcap, int nthreads) {
-  const int64_t G = H / KVH, split = B >= 2 * nthreads ? 1 : KVH, per = KVH / split;
-#pragma omp parallel num_threads(nthreads)
-  {
-    Scratch scratch;
-    std::vector<Row> rows(per * G);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < B * split; ++i) {
-      const int64_t b = i / split, h0 = (i % split) * per;
-      for (int64_t r = 0; r < per * G; ++r) {
-        const int64_t h = h0 * G + r;  // query head
-        rows[r] = {q + b * qs0 + h * qs1, out + b * os0 + h * os1, int64_t(seq_lens[b]) - 1, (h / G) * D};
-      }
-      const Cache c{kc, vc, bt + b * M, block_size, KVH * D, D};
-      attend_rows(rows.data(), per * G, c, scale, window, softcap, scratch, true);
-    }
-    keep(scratch.sink);
-  }
+  paged_decode(q, qs0, qs1, kc, vc, block_size, KVH, D, bt, M, seq_lens, B, H, out, os0, os1, scale, window, softcap,
+               nthreads);
+}
+
+// loom_paged_decode with bfloat16 q, caches and out (read in place, widened; float32 math)
+void loom_paged_decode_bf16(const bf16_t* q, int64_t qs0, int64_t qs1, const bf16_t* kc, const bf16_t* vc,
+                            int64_t block_size, int64_t KVH, int64_t D, const int32_t* bt, int64_t M,
+                            const int32_t* seq_lens, int64_t B, int64_t H, bf16_t* out, int64_t os0, int64_t os1,
+                            float scale, int64_t window, float softcap, int nthreads) {
+  paged_decode(q, qs0, qs1, kc, vc, block_size, KVH, D, bt, M, seq_lens, B, H, out, os0, os1, scale, window, softcap,
+               nthreads);
 }
 
 // q [T, H, D]; sequence s owns query rows [cu[s], cu[s+1]) at positions seq_lens[s] - q_len + i.
@@ -243,43 +356,27 @@ void loom_paged_prefill(const float* q, int64_t qs0, int64_t qs1, const float* k
                         int64_t block_size, int64_t KVH, int64_t D, const int32_t* cu, const int32_t* seq_lens,
                         int64_t S, const int32_t* bt, int64_t M, int64_t H, float* out, int64_t os0, int64_t os1,
                         float scale, int64_t window, float softcap, int64_t tile, int nthreads) {
-  const int64_t G = H / KVH;
-  std::vector<int64_t> item_seq, item_t0;
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t t = cu[s]; t < cu[s + 1]; t += tile) {
-      item_seq.push_back(s);
-      item_t0.push_back(t);
-    }
-  const int64_t n_items = int64_t(item_seq.size()) * KVH;
-#pragma omp parallel num_threads(nthreads)
-  {
-    Scratch scratch;
-    std::vector<Row> rows(tile * G);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < n_items; ++w) {
-      const int64_t it = w / KVH, h = w % KVH, s = item_seq[it], t0 = item_t0[it];
-      const int64_t nq = std::min<int64_t>(tile, cu[s + 1] - t0);
-      const int64_t first = int64_t(seq_lens[s]) - (cu[s + 1] - cu[s]) + (t0 - cu[s]);  // position of row t0
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t t = t0 + i, qh = h * G + g;
-          rows[i * G + g] = {q + t * qs0 + qh * qs1, out + t * os0 + qh * os1, first + i, h * D};
-        }
-      const Cache c{kc, vc, bt + s * M, block_size, KVH * D, D};
-      attend_rows(rows.data(), nq * G, c, scale, window, softcap, scratch, false);
-    }
-  }
+  paged_prefill(q, qs0, qs1, kc, vc, block_size, KVH, D, cu, seq_lens, S, bt, M, H, out, os0, os1, scale, window,
+                softcap, tile, nthreads);
+}
+
+void loom_paged_prefill_bf16(const bf16_t* q, int64_t qs0, int64_t qs1, const bf16_t* kc, const bf16_t* vc,
+                             int64_t block_size, int64_t KVH, int64_t D, const int32_t* cu, const int32_t* seq_lens,
+                             int64_t S, const int32_t* bt, int64_t M, int64_t H, bf16_t* out, int64_t os0,
+                             int64_t os1, float scale, int64_t window, float softcap, int64_t tile, int nthreads) {
+  paged_prefill(q, qs0, qs1, kc, vc, block_size, KVH, D, cu, seq_lens, S, bt, M, H, out, os0, os1, scale, window,
+                softcap, tile, nthreads);
 }
 
 // k/v rows of T tokens (row strides ks / vs, each KVH * D contiguous floats) into cache slots (-1: skip)
 void loom_store_kv(const float* k, int64_t ks, const float* v, int64_t vs, float* kc, float* vc, const int64_t* slots,
                    int64_t T, int64_t row) {
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = slots[t];
-    if (s < 0) continue;
-    std::memcpy(kc + s * row, k + t * ks, row * sizeof(float));
-    std::memcpy(vc + s * row, v + t * vs, row * sizeof(float));
-  }
+  store_kv(k, ks, v, vs, kc, vc, slots, T, row);
+}
+
+void loom_store_kv_bf16(const bf16_t* k, int64_t ks, const bf16_t* v, int64_t vs, bf16_t* kc, bf16_t* vc,
+                        const int64_t* slots, int64_t T, int64_t row) {
+  store_kv(k, ks, v, vs, kc, vc, slots, T, row);
 }
 
 }  // extern "C"

@@ -136,6 +136,55 @@ inline void widen(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = to_f32(src[i]);
 }
 
+// float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays a quiet NaN
+inline bf16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{uint16_t((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_t{uint16_t(u >> 16)};
+}
+// *p = v in p's element type (16-bit activations and KV caches: bfloat16 storage, float32 math)
+inline void put(float* p, float v) { *p = v; }
+inline void put(bf16_t* p, float v) { *p = to_bf16(v); }
+
+#ifdef __AVX2__
+// 8 floats rounded to bfloat16 (nearest even, as to_bf16 for all but NaNs with payload bits in the low half)
+inline __m128i bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16x8(v)); }
+#endif
+
+// dst[0:n] = src[0:n] rounded to T (float: copied)
+template <class T>
+inline void narrow(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; ++i) put(dst + i, src[i]);
+  }
+}
+
+// f(T{}) for the element type of activations and KV caches a kernel takes: 0 float32, 1 bfloat16
+template <class F>
+inline void with_act(int code, F&& f) {
+  if (code == 1)
+    f(bf16_t{});
+  else
+    f(float{});
+}
+
 // f(T{}) for an adapter pool's element type code (kernels/cpu_ext.py ADAPTER_TYPES): 0 float32, 1 bfloat16,
 // 2 float16
 template <class F>

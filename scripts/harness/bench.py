@@ -205,7 +205,22 @@ def machine_info() -> dict:
         info["load_average"] = os.getloadavg()
     except OSError:
         pass
+    info["cpu_16bit_units"] = cpu_16bit_units()
     return info
+
+
+# CPU flags of native 16-bit and int8 dot-product units (what a bfloat16 GEMM can dispatch to)
+CPU_16BIT_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx_vnni", "avx512_vnni")
+
+
+def cpu_16bit_units() -> list[str]:
+    """Which of CPU_16BIT_FLAGS this CPU has (/proc/cpuinfo), for the reports (which units each system could use)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return []
+    return [f for f in CPU_16BIT_FLAGS if f in flags]
 
 
 def out_dir(path: str | None = None) -> Path:

@@ -1,0 +1,219 @@
+"""The C++ CPU kernels on bfloat16 activations and KV caches (kernels/csrc: bfloat16 storage, float32 math, each result
+rounded once), on every instruction-set build this host runs, against float64 math on the same bfloat16 inputs
+(widening is exact), within bounds derived from bfloat16's rounding and float32's accumulation:
+
+  |out - exact| <= U16 |exact| + c n U32 s,
+
+U16 = 2^-8 (round to nearest, one rounding of the result), U32 = 2^-24, n the length of the float32 accumulation and
+s the size of what it sums (sum of |terms|); c covers the few float32 operations per term (and the ~1 ulp exp)."""
+import math
+
+import pytest
+import torch
+
+import harness.kernel_cases as kcases
+from loom.kernels import cpu_ext, dispatch, policy
+from loom.kernels.cpu_paged_attention import (
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    store_kv_cpu,
+)
+from loom.kernels.cpu_pointwise import (
+    fused_add_rms_norm_cpu,
+    gelu_tanh_and_mul_cpu,
+    rotary_embedding_cpu,
+    silu_and_mul_cpu,
+)
+
+U16, U32 = 2.0 ** -8, 2.0 ** -24
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True, params=[name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
+def ext(request):
+    """Every test once per build (as tests/kernels/test_cpu_kernels.py): a build this CPU cannot run is skipped,
+    saying which flags it lacks."""
+    missing = cpu_ext.missing_flags(request.param) if request.param != "no-avx2" else []
+    if missing:
+        pytest.skip(f"the {request.param} kernels need CPU flags this machine lacks: {', '.join(missing)}")
+    flags = next((f for name, _, f in cpu_ext.ISAS if name == request.param), ())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ext, "native_isa", lambda: flags)
+        m = cpu_ext.load()
+        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
+        yield m
+
+
+def within(out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor | float, what: str) -> None:
+    """|out - exact| <= U16 |exact| + acc (acc: the float32 accumulation's share, per element or one bound)."""
+    err = (out.double() - exact).abs()
+    bound = U16 * exact.abs() + acc
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{what}: error exceeds its bound by {worst:.3g} (max error {err.max().item():.3g})"
+
+
+def test_bf16_rounding_matches_torch():
+    """The C++ float32 -> bfloat16 rounding (vector body and scalar tail) is torch's round to nearest even, bit for
+    bit, also at ties, inf, NaN and subnormals: the norm of a row of ones by a float32 weight w is exactly w before
+    its one rounding (mean of squares 1, eps 0)."""
+    torch.manual_seed(0)
+    x = (torch.randn(2040) * 3).float()
+    ties = ((x.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)  # halfway between two bfloat16 values
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-39, 3.38e38])
+    w = torch.cat((x, ties, special, torch.ones(4096 - 4088), torch.randn(3)))  # 4,099: a scalar tail too
+    n = w.numel()
+    out, _ = fused_add_rms_norm_cpu(torch.ones(1, n, dtype=BF16), None, w, 0.0)
+    want = w.to(BF16).view(1, n)
+    same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of {n} roundings differ from torch's"
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("f32_weight", [False, True])
+def test_rms_norm(residual, f32_weight):
+    torch.manual_seed(0)
+    T, N = 37, 576
+    x = torch.randn(T, N).to(BF16)
+    res = torch.randn(T, N).to(BF16) if residual else None
+    w = (torch.rand(N) + 0.5)
+    w = w if f32_weight else w.to(BF16)
+    out, res_out = fused_add_rms_norm_cpu(x, res, w, 1e-6)
+    s = x.double() + (res.double() if residual else 0)
+    assert torch.equal(res_out, s.float().to(BF16) if residual else x)  # one rounding of an exact float32 sum
+    r = res_out.double()  # the rounded sum, as the reference normalises it
+    exact = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    # float32 sum of N squares (relative N U32), then sqrt / divide / two products: a few U32 more, relative
+    within(out, exact, (N + 8) * U32 * exact.abs(), "rms_norm")
+    assert dispatch.fused_add_rms_norm(x, res, w, 1e-6)[0].equal(out)  # dispatch takes bfloat16 to the C++ kernel
+
+
+@pytest.mark.parametrize("rot", [64, 32])
+def test_rotary(rot):
+    torch.manual_seed(1)
+    T, H, KVH, D = 11, 9, 3, 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(BF16)
+    q = qkv[:, :H * D].view(T, H, D)[..., :rot]
+    k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)[..., :rot]
+    pos = torch.randint(0, 100, (T,), dtype=torch.int64)
+    cs = kcases.cos_sin_cache(100, rot, "cpu")
+    q0, k0 = q.double(), k.double()
+    rotary_embedding_cpu(pos, q, k, cs)
+    c, s = cs[pos].double()[:, None, :rot // 2], cs[pos].double()[:, None, rot // 2:]
+    for name, before, after in (("q", q0, q), ("k", k0, k)):
+        x1, x2 = before[..., :rot // 2], before[..., rot // 2:]
+        exact = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+        within(after, exact, 4 * U32 * (x1.abs() + x2.abs()).repeat(1, 1, 2), f"rotary {name}")
+    assert torch.equal(qkv[:, (H + KVH) * D:], qkv[:, (H + KVH) * D:])  # v untouched (sanity)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("inter", [1536, 100])  # 100: vector body and scalar tail
+def test_act_and_mul(gelu, inter):
+    torch.manual_seed(2)
+    x = (torch.randn(9, 2 * inter) * 3).to(BF16)
+    out = (gelu_tanh_and_mul_cpu if gelu else silu_and_mul_cpu)(x)
+    a, b = x[:, :inter].double(), x[:, inter:].double()
+    act = torch.nn.functional.gelu(a, approximate="tanh") if gelu else torch.nn.functional.silu(a)
+    exact = act * b
+    # z (a few ops), exp (~1 ulp, Cephes), 1 + e, divide, two products: ~16 U32 relative to |a b|
+    within(out, exact, 16 * U32 * (a * b).abs(), "gelu_tanh_and_mul" if gelu else "silu_and_mul")
+    assert (dispatch.gelu_tanh_and_mul if gelu else dispatch.silu_and_mul)(x).equal(out)
+
+
+def test_store_kv_exact():
+    torch.manual_seed(3)
+    T, KVH, D, bs = 10, 3, 64, 16
+    qkv = torch.randn(T, 5 * KVH * D).to(BF16)
+    k, v = qkv[:, :KVH * D].view(T, KVH, D), qkv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
+    kc, vc = (torch.zeros(4, bs, KVH, D, dtype=BF16) for _ in range(2))
+    slots = torch.randperm(4 * bs)[:T]
+    slots[3] = -1
+    store_kv_cpu(k, v, kc, vc, slots)
+    keep = slots >= 0
+    assert torch.equal(kc.view(-1, KVH, D)[slots[keep]], k[keep])
+    assert torch.equal(vc.view(-1, KVH, D)[slots[keep]], v[keep])
+    assert int((kc != 0).any(-1).any(-1).sum()) == int(keep.sum())
+
+
+def attention_bound(q, kc, vc, exact, scale, lens, softcap):
+    """U16 |exact| + the float32 share: scores (D products and sums, error ~D U32 |q||k| scale), which move the
+    softmax weights by that much relative, and the weighted sum over L values (~L U32 max |v|)."""
+    D = q.shape[-1]
+    L = max(lens)
+    qk = q.double().abs().sum(-1, keepdim=True) * kc.double().nan_to_num().abs().amax() * scale
+    vmax = vc.double().nan_to_num().abs().amax()
+    return 8 * (D * qk + L + 32) * U32 * vmax
+
+
+OPTIONS = [(None, None), (5, None), (None, 2.0)]
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_attention(window, softcap, group):
+    torch.manual_seed(group)
+    lens = [3, 16, 0, 41, 1, 70, 130]  # 130: two key tiles of the online softmax
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 2, 64, BF16, "cpu")
+    q = torch.randn(len(lens), 2 * group, 64).to(BF16)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.125, out=out, sliding_window=window, softcap=softcap)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # empty context -> zeros
+    keep = [i for i, n in enumerate(lens) if n]
+    cu = torch.arange(len(keep) + 1, dtype=torch.int32)
+    exact = kcases.naive_attention(q[keep], kc, vc, cu, sl[keep], bt[keep], 0.125, window, softcap)
+    within(out[keep], exact, attention_bound(q[keep], kc, vc, exact, 0.125, lens, softcap), "decode attention")
+    via = dispatch.paged_decode_attention(q, kc, vc, bt, sl, 0.125, sliding_window=window, softcap=softcap)
+    assert torch.equal(via, out)  # dispatch runs the C++ kernel on a bfloat16 cache
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+def test_prefill_attention(window, softcap):
+    torch.manual_seed(7)
+    q_and_lens = [(5, 5), (20, 37), (1, 9), (33, 33)]  # prompts, a chunk over a cached prefix, a decode-like row
+    lens = [n for _, n in q_and_lens]
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 3, 64, BF16, "cpu")
+    cu = torch.tensor([0] + list(itertools_accumulate([ql for ql, _ in q_and_lens])), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 9, 64).to(BF16)
+    out = paged_prefill_attention_cpu(q, kc, vc, cu, sl, bt, 33, 0.125, sliding_window=window, softcap=softcap)
+    exact = kcases.naive_attention(q, kc, vc, cu, sl, bt, 0.125, window, softcap)
+    within(out, exact, attention_bound(q, kc, vc, exact, 0.125, lens, softcap), "prefill attention")
+
+
+def test_decode_equals_prefill_bitwise():
+    """A decode row and a one-row prefill chunk of the same sequence go through the same float32 arithmetic (the
+    same key tiles, the same groups of query heads): the same bits."""
+    torch.manual_seed(9)
+    lens = [17, 64, 150]
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 3, 64, BF16, "cpu")
+    q = torch.randn(len(lens), 9, 64).to(BF16)
+    dec = paged_decode_attention_cpu(q, kc, vc, bt, sl, 0.125)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    pre = paged_prefill_attention_cpu(q, kc, vc, cu, sl, bt, 1, 0.125)
+    assert torch.equal(dec, pre)
+
+
+def test_policy_takes_bf16_on_cpu():
+    """bfloat16 is a dtype of the C++ path (policy's dtype dimension); float16 stays on the references."""
+    path = policy.decide("cpu", BF16)
+    assert path.ops == policy.CPU and not path.layer_pass and not path.packed_experts
+    assert policy.decide("cpu", torch.float16).ops == policy.REFERENCE
+    assert policy.decide("cpu", BF16, compiled=True).gemm == ""  # a compiled forward: inductor's own GEMMs
+    assert "bfloat16" in path.describe(BF16)
+
+
+def itertools_accumulate(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def test_bounds_are_not_vacuous():
+    """The attention bound is a small fraction of the values it bounds (else the tests above would prove little)."""
+    lens = [70]
+    kc, vc, bt, sl = kcases.make_paged_cache(lens, 16, 2, 64, BF16, "cpu")
+    q = torch.randn(1, 2, 64).to(BF16)
+    exact = kcases.naive_attention(q, kc, vc, torch.tensor([0, 1], dtype=torch.int32), sl, bt, 0.125)
+    bound = attention_bound(q, kc, vc, exact, 0.125, lens, None)
+    worst = float(bound.max())
+    assert math.isfinite(worst) and worst < 0.01 * float(vc.double().nan_to_num().abs().amax())
