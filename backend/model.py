@@ -313,6 +313,11 @@ class TritonPythonModel:
                 adapters.close()  # the background loader thread
             except Exception:
                 log.error("closing the adapter registry failed:\n" + traceback.format_exc())
+        if engine is not None and not loop_alive:
+            try:
+                engine.close()  # tensor parallelism: stop the worker processes in order
+            except Exception:
+                log.error("closing the engine failed:\n" + traceback.format_exc())
         self.engine = self.async_engine = self.streamer = self.metrics = None
         if not loop_alive:
             del engine, adapters, ae

@@ -72,10 +72,10 @@ def test_configuration_check_catches_drift():
     drifted = [(c, n, "float" if n == "max_n" else t, d, k) for c, n, t, d, k in drifted]  # a changed type
     drifted = [(c, n, t, "1" if n == "cuda_graphs" else d, k) for c, n, t, d, k in drifted]  # 1 for true
     drifted = [(c, n, t, d, ["REPORT_CUSTOM_METRICS"] if n == "vllm_metrics" else k) for c, n, t, d, k in drifted]
-    drifted.append(("EngineConfig", "tensor_parallel_size", "int", "1", ["tensor_parallel_size"]))
+    drifted.append(("EngineConfig", "pipeline_parallel_size", "int", "1", ["pipeline_parallel_size"]))
     found = config_problems(drifted)
     assert [p.split(":")[0] for p in found] == [
-        "EngineConfig.seed", "EngineConfig.tensor_parallel_size", "EngineConfig.block_size",
+        "EngineConfig.seed", "EngineConfig.pipeline_parallel_size", "EngineConfig.block_size",
         "EngineConfig.cuda_graphs", "ServeOptions.vllm_metrics", "ServeOptions.max_n"], found
 
 

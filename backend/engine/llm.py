@@ -160,6 +160,10 @@ class LLM:
             if live:
                 self.engine.step()
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel workers); the LLM serves nothing after."""
+        self.engine.close()
+
     def generate(self, prompts: Seq[Prompt] | Prompt,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora_names: Seq[str | None] | str | None = None) -> list[RequestOutput]:

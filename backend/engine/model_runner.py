@@ -7,16 +7,23 @@ arguments never change with the step) and hold stale ids past each sequence's bl
 
 Decode-only steps replay CUDA graphs (loom.engine.cuda_graphs) when they are on; prefills, mixed steps and
 anything else run eagerly here, which is also the reference the graph path is tested against.
+
+With tensor parallelism (`tp`, loom.distributed) every rank runs this runner over its shard: rank 0 (the engine's)
+prepares each step, broadcasts its inputs and gets the gathered logits; the workers run the same forward on what
+they receive (loom.distributed.worker). Decode steps run eagerly there (no CUDA graphs yet).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import nullcontext
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from loom.device import bind_thread, resolve_device
+from loom.distributed.step_broadcast import send_step
 from loom.engine import cpu
 from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
@@ -34,7 +41,14 @@ log = logging.getLogger("loom")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str):
+    def __init__(self, config: EngineConfig, model_dir: str, tp=None):
+        """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
+        self.tp = tp
+        self._copies: list[tuple[int, int]] = []  # rank 0: KV block copies the other ranks make at the next step
+        if tp is not None and config.cuda_graphs:
+            config = replace(config, cuda_graphs=False)
+            if tp.rank == 0 and config.torch_device.type == "cuda":
+                log.info("tensor parallel: decode steps run eagerly (no CUDA graphs with tensor_parallel_size > 1)")
         self.config = config
         self.device = resolve_device(config.torch_device)  # cuda -> cuda:<current>: other threads bind to it
         bind_thread(self.device)
@@ -43,7 +57,7 @@ class ModelRunner:
         model_max = int(getattr(hf_cfg, "max_position_embeddings", 4096) or 4096)
         max_len = config.max_model_len or model_max  # sliding-window layers attend within their window
         self.max_model_len = max_len
-        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len)
+        self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len, tp=tp)
         self.vocab_size = hf_cfg.vocab_size
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_len // self.block_size)
@@ -70,8 +84,8 @@ class ModelRunner:
         self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
         for i, layer in enumerate(attn):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        if self.device.type == "cpu":
-            cpu.set_up_process(config.cpu_threads)
+        if self.device.type == "cpu":  # tensor-parallel ranks share the cores unless told
+            cpu.set_up_process(config.cpu_threads or (max(1, cpu.available_cores() // tp.world_size) if tp else 0))
         # where the ops run, decided once (kernels/policy.py): the C++ library is built or loaded here on CPU, not in
         # the first step
         self.kernels = decide(self.device, self.dtype, compiled=config.cpu_compile)
@@ -124,6 +138,8 @@ class ModelRunner:
             else:
                 budget = 1 << 30
         n = budget // self.bytes_per_block
+        if self.tp is not None:  # every rank holds the same blocks: as many as the smallest rank's memory holds
+            n = self.tp.min_int(n)
         if n < 1:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.bytes_per_block} bytes")
         return int(n)
@@ -285,7 +301,22 @@ class ModelRunner:
             out = self.graphs.run(batch, lora, fill)
             if out is not None:
                 return out
+        if lora is not None and self.tp is not None:
+            raise RuntimeError("LoRA adapters are not served with tensor_parallel_size > 1")
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
-        with forward_context(ctx):
-            logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
+        with self.tp.step_guard() if self.tp is not None else nullcontext():  # a dead rank: an error naming it
+            if self.tp is not None:
+                send_step(self.tp, ids, ctx, self._copies)
+                self._copies = []
+            with forward_context(ctx):
+                logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
         return logits, sampled
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV block src -> dst for each pair, every layer (n > 1 forks copy a partly filled block). With tensor
+        parallelism each rank copies its own heads: rank 0 now, the others before the next step's forward."""
+        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
+        for src, dst in copies:
+            kv[:, :, dst].copy_(kv[:, :, src])
+        if self.tp is not None and self.tp.rank == 0:
+            self._copies += copies

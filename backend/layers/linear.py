@@ -15,6 +15,11 @@ from torch import nn
 from loom.kernels import cpu_lora, lora_apply, torch_ops
 from loom.layers.forward_context import get_forward_context
 
+# How a layer reads a checkpoint tensor (loom.models.loader): (index into its parameter, index into the checkpoint
+# tensor, or None: those rows are zeros). ALL is the whole of either.
+ALL = (slice(None),)
+Piece = tuple[tuple, Optional[tuple]]
+
 
 class LoRALinear(nn.Module):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
@@ -52,6 +57,13 @@ class LoRALinear(nn.Module):
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) if self.dense is None else self.dense(x)
+
+    def checkpoint_pieces(self, kind: str, slice_index: int | None) -> list[Piece]:
+        """Where a checkpoint tensor goes: one slice's tensor (q_proj, ...) into its rows, a whole (fused) one whole.
+        kind: weight or bias. Tensor-parallel layers read only their part (layers/parallel_linear.py)."""
+        if slice_index is None:
+            return [(ALL, ALL)]
+        return [((slice(self.slice_offsets[slice_index], self.slice_offsets[slice_index + 1]),), ALL)]
 
 
 def step_lora(group: Optional[str]):

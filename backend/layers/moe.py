@@ -18,6 +18,7 @@ from torch import nn
 
 from loom.kernels import fused_moe, fused_moe_lora
 from loom.layers.forward_context import get_forward_context
+from loom.layers.linear import ALL, Piece
 
 
 class ExpertLoRA(nn.Module):
@@ -32,8 +33,15 @@ class ExpertLoRA(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    """`shard` (tensor parallelism): this rank's slice [start, stop) of each expert's intermediate features, of
+    `full_intermediate`; None = all of them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 shard: tuple[int, int, int] | None = None):
         super().__init__()
+        self.full_intermediate, start, stop = shard or (intermediate_size, 0, intermediate_size)
+        self.shard = slice(start, stop)
+        intermediate_size = stop - start
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
@@ -43,15 +51,33 @@ class Experts(nn.Module):
         # set by the engine on CPU: the experts over packed copies of their weights, dense(x, weights, ids)
         self.dense = None
 
+    def checkpoint_pieces(self, kind: str, expert: int | None = None, half: int | None = None) -> list[Piece]:
+        """Where a checkpoint tensor goes: one expert's gate (half 0) / up (half 1) [I, H] or down [H, I], or the
+        stacked tensors of every expert as transformers 5 saves them (gate_up [E, 2I, H], down [E, H, I])."""
+        n, full, a, b = self.intermediate_size, self.full_intermediate, self.shard.start, self.shard.stop
+        every = slice(None)
+        if kind == "down_proj":
+            return [((expert,), (every, self.shard))] if expert is not None else [(ALL, (every, every, self.shard))]
+        if expert is not None:
+            return [((expert, slice(half * n, (half + 1) * n)), (self.shard,))]
+        return [((every, slice(h * n, (h + 1) * n)), (every, slice(h * full + a, h * full + b))) for h in (0, 1)]
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 round_weights: bool):
+                 round_weights: bool, tp=None, shard: tuple[int, int, int] | None = None):
+        """tp (tensor parallelism): the rank group; `shard` its experts' intermediate slice (Experts). The router is
+        replicated; each rank's experts give a partial output, summed by one all-reduce."""
         super().__init__()
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, shard)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._experts(x)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, K] float32, expert ids [T, K])."""
@@ -63,7 +89,7 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype).float()
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         e = self.experts
         if e.lora_gate_up.lora_a is not None:  # expert pools attached: this step may carry expert LoRA

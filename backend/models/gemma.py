@@ -19,10 +19,10 @@ from loom.models.spec import ModelSpec
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, tp=None):
         super().__init__()
-        self.self_attn = Attention(spec, layer, rotary)
-        self.mlp = make_mlp(spec, layer)
+        self.self_attn = Attention(spec, layer, rotary, tp)
+        self.mlp = make_mlp(spec, layer, tp)
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, offset=True)
         self.post_attention_layernorm = RMSNorm(h, eps, offset=True)

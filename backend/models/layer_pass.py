@@ -17,6 +17,7 @@ import torch
 from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
 from loom.layers.forward_context import get_forward_context
+from loom.layers.linear import LoRALinear
 from loom.layers.moe import SparseMoeBlock
 from loom.layers.norm import RMSNorm
 from loom.models.gemma import GemmaDecoderLayer
@@ -43,6 +44,8 @@ def _norms(layer) -> tuple:
 
 def _eligible(layer) -> bool:
     if type(layer) not in (LlamaDecoderLayer, GemmaDecoderLayer):
+        return False
+    if type(layer.self_attn.o_proj) is not LoRALinear:  # tensor-parallel: the C++ layer has no all-reduce
         return False
     mlp = layer.mlp
     if not (type(mlp) is MLP and mlp.act_and_mul in (silu_and_mul, gelu_tanh_and_mul)

@@ -16,20 +16,24 @@ from torch import nn
 
 from loom.kernels import gelu_tanh_and_mul, silu_and_mul
 from loom.layers.attention import PagedAttention
-from loom.layers.linear import LoRALinear
 from loom.layers.moe import ExpertLoRA, SparseMoeBlock
 from loom.layers.norm import RMSNorm
+from loom.layers.parallel_linear import column_linear, embedding, head_shards, lm_head, row_linear, split
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding):
+    """tp (tensor parallelism, loom.distributed.parallel_state.ParallelGroup or None): this rank's query and KV
+    heads only (layers.parallel_linear.head_shards); o_proj sums the ranks' outputs."""
+
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, tp=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = LoRALinear(spec.hidden_size, [q, kv, kv], bias=spec.qkv_bias)
-        self.o_proj = LoRALinear(q, [spec.hidden_size], bias=spec.o_bias)
+        q, kv = head_shards(spec.num_heads, spec.num_kv_heads, tp, spec.arch)
+        self.num_heads, self.num_kv_heads, self.head_dim = q.size, kv.size, spec.head_dim
+        d = self.head_dim
+        self.qkv_proj = column_linear(spec.hidden_size, [q.scaled(d), kv.scaled(d), kv.scaled(d)], spec.qkv_bias, tp)
+        self.o_proj = row_linear(q.scaled(d), spec.hidden_size, spec.o_bias, tp)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset=spec.gemma_norms)
@@ -54,29 +58,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp=None):
         super().__init__()
-        self.gate_up_proj = LoRALinear(spec.hidden_size, [spec.intermediate_size] * 2, bias=spec.mlp_bias)
-        self.down_proj = LoRALinear(spec.intermediate_size, [spec.hidden_size], bias=spec.mlp_bias)
+        inter = split(spec.intermediate_size, tp, f"intermediate_size of {spec.arch}")
+        self.gate_up_proj = column_linear(spec.hidden_size, [inter, inter], spec.mlp_bias, tp)
+        self.down_proj = row_linear(inter, spec.hidden_size, spec.mlp_bias, tp)
         self.act_and_mul = gelu_tanh_and_mul if spec.act == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-def make_mlp(spec: ModelSpec, layer: int) -> nn.Module:
+def make_mlp(spec: ModelSpec, layer: int, tp=None) -> nn.Module:
     if not spec.layer_moe[layer]:
-        return MLP(spec)
+        return MLP(spec, tp)
     m = spec.moe
-    return SparseMoeBlock(spec.hidden_size, m.num_experts, m.top_k, m.intermediate_size, m.renormalize,
-                          round_weights=spec.arch == "Qwen3MoeForCausalLM")
+    inter = split(m.intermediate_size, tp, f"moe intermediate size of {spec.arch}")  # each expert's slice per rank
+    return SparseMoeBlock(spec.hidden_size, m.num_experts, m.top_k, inter.size, m.renormalize,
+                          round_weights=spec.arch == "Qwen3MoeForCausalLM", tp=tp,
+                          shard=(inter.full, inter.start, inter.stop))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, tp=None):
         super().__init__()
-        self.self_attn = Attention(spec, layer, rotary)
-        self.mlp = make_mlp(spec, layer)
+        self.self_attn = Attention(spec, layer, rotary, tp)
+        self.mlp = make_mlp(spec, layer, tp)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -88,17 +95,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, max_position: int, layer_cls):
+    def __init__(self, spec: ModelSpec, max_position: int, layer_cls, tp=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = embedding(spec.vocab_size, spec.hidden_size, tp)
         # Gemma scales the embeddings by sqrt(hidden), rounded to the weight dtype as transformers does
         self.embed_scale = spec.hidden_size ** 0.5 if spec.gemma_norms else None
         ropes = {}  # one cos/sin cache per distinct rope, shared by its layers
         for r in set(spec.layer_ropes):
             ropes[r] = RotaryEmbedding(spec.head_dim, r.rotary_dim, max_position, r.theta,
                                        dict(r.scaling) if r.scaling else None)
-        self.layers = nn.ModuleList(layer_cls(spec, i, ropes[spec.layer_ropes[i]]) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(layer_cls(spec, i, ropes[spec.layer_ropes[i]], tp)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, offset=spec.gemma_norms)
         # on CPU the engine may run the layers through one C++ call each (models/layer_pass.py)
         self.layer_pass = None
@@ -124,14 +131,15 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
 
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, tp=None):
+        """tp: the tensor-parallel rank group (this rank's shard of every layer; logits gathered on rank 0), or
+        None."""
         super().__init__()
         spec = ModelSpec.from_hf_config(cfg)
         self.config, self.spec = cfg, spec
-        self.model = DecoderModel(spec, max_position, self.layer_cls)
+        self.model = DecoderModel(spec, max_position, self.layer_cls, tp)
         self.tie_word_embeddings = spec.tie_word_embeddings
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
+        self.lm_head = lm_head(spec.hidden_size, spec.vocab_size, tp)
         self.set_tied(self.tie_word_embeddings)
 
     def set_tied(self, tied: bool) -> None:

@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from loom.errors import ConfigError
+from loom.layers.linear import ALL
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
@@ -29,6 +31,9 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }
+# Served with tensor_parallel_size > 1 (every family above: dense, fused Phi-3 tensors, Gemma's soft-capping on the
+# gathered logits, MoE experts split by their intermediate features).
+TENSOR_PARALLEL_ARCHITECTURES = frozenset(SUPPORTED_ARCHITECTURES)
 
 
 class ModelLoadError(ValueError):
@@ -74,11 +79,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise ModelLoadError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int):
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int, tp=None):
+    """tp: the tensor-parallel rank group (loom.distributed.parallel_state.ParallelGroup): this rank's shard of the
+    model, read from the checkpoint slice by slice (only its own rows and columns), or None: the whole model."""
     cfg = load_hf_config(model_dir)
+    arch = cfg.architectures[0]
+    if tp is not None and arch not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ConfigError("tensor_parallel_size", f"{arch} is not served with tensor_parallel_size > 1 yet "
+                          f"(served: {sorted(TENSOR_PARALLEL_ARCHITECTURES)})")
     files = safetensors_files(model_dir)
     with torch.device("meta"):
-        model = SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position)
+        model = SUPPORTED_ARCHITECTURES[arch](cfg, max_position, tp=tp)
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
     # weights at the peak); the rope caches are rebuilt below in float32.
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -93,21 +104,30 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     params = dict(model.named_parameters(remove_duplicate=False))
     # which leading-dim rows (or [expert, row] pairs) of each parameter the checkpoint has filled
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
-    # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError)
-    for path, name, tensor in checkpoint_tensors(files, model.spec.quant, ModelLoadError):
+    # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError);
+    # under tensor parallelism an unquantized tensor comes as a lazy slice: only the rows a rank holds are read
+    quant = model.spec.quant
+    tensors = _lazy_tensors(files) if tp is not None and quant is None else \
+        checkpoint_tensors(files, quant, ModelLoadError)
+    for path, name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
-        target, index = _place(model, params, name)
+        target, pieces = _place(model, params, name)
         if target is None:
-            raise ModelLoadError(f"{path}: tensor {name!r} has no place in {cfg.architectures[0]}")
-        dst = params[target].data[index]
-        if isinstance(tensor, QuantizedWeight):  # dequantised into the compute dtype, then loaded as any weight
-            tensor = dequantize(tensor, dst.dtype)
-        if dst.shape != tensor.shape:
-            raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                                 f"{tuple(dst.shape)}")
-        dst.copy_(tensor)  # cast on the way (a float32 checkpoint into bf16: per tensor)
-        covered[target][index[:covered[target].dim()]] = True
+            raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
+        if isinstance(tensor, QuantizedWeight):
+            tensor = dequantize(tensor, params[target].dtype)  # into the compute dtype, then loaded as any weight
+        shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+        for index, src in pieces:
+            dst = params[target].data[index]
+            if src is None:  # rows past the vocabulary (padding of a vocab-parallel shard), or another rank's bias
+                dst.zero_()
+            else:
+                part = tensor[src]
+                if dst.shape != part.shape:
+                    raise ModelLoadError(f"{name}: shape {shape} does not match the config's {tuple(dst.shape)}")
+                dst.copy_(part)  # cast on the way (a float32 checkpoint into bf16: per tensor)
+            covered[target][index[:covered[target].dim()]] = True
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:
@@ -123,6 +143,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     return model, cfg
 
 
+def _lazy_tensors(files: list[str]):
+    """(path, name, safetensors slice) of every tensor: indexing a slice reads only those rows/columns."""
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield path, name, f.get_slice(name)
+
+
 def _has_tensor(path: str, name: str) -> bool:
     with safe_open(path, framework="pt", device="cpu") as f:
         return name in f.keys()
@@ -136,8 +164,10 @@ _SLICES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
 _SLICE = re.compile(r"^(?P<pre>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 
 
-def _place(model, params: dict, name: str) -> tuple[str | None, tuple]:
-    """(our parameter name, index into it) for a checkpoint tensor, or (None, ()) if it has no place.
+def _place(model, params: dict, name: str) -> tuple[str | None, list]:
+    """(our parameter name, pieces) for a checkpoint tensor, or (None, []) if it has no place; a piece is (index
+    into our parameter, index into the checkpoint tensor or None for zeros) - the module says which part it holds
+    (`checkpoint_pieces`; a tensor-parallel shard holds part of the tensor, layers/parallel_linear.py).
 
     Phi-3's fused qkv_proj / gate_up_proj tensors have our layout (q|k|v rows, gate|up rows) and load whole; split
     q/k/v and gate/up tensors fill their slice; per-expert tensors (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj)
@@ -148,21 +178,23 @@ def _place(model, params: dict, name: str) -> tuple[str | None, tuple]:
     if m:
         experts_name = m.group("pre")
         if f"{experts_name}.gate_up_proj" not in params:
-            return None, ()
+            return None, []
         e, proj = int(m.group("e")), m.group("proj")
-        size = model.get_submodule(experts_name).intermediate_size
+        experts = model.get_submodule(experts_name)
         if proj in ("w2", "down_proj"):
-            return f"{experts_name}.down_proj", (e,)
+            return f"{experts_name}.down_proj", experts.checkpoint_pieces("down_proj", e)
         half = 0 if proj in ("w1", "gate_proj") else 1
-        return f"{experts_name}.gate_up_proj", (e, slice(half * size, (half + 1) * size))
+        return f"{experts_name}.gate_up_proj", experts.checkpoint_pieces("gate_up_proj", e, half)
     if name in params:
-        return name, (slice(None),)
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        pieces = getattr(module, "checkpoint_pieces", None)
+        return name, pieces(kind, None) if pieces is not None else [(ALL, ALL)]
     m = _SLICE.match(name)
     if m:
         fused, i = _SLICES[m.group("proj")]
         module_name = f"{m.group('pre')}.{fused}"
         target = f"{module_name}.{m.group('kind')}"
         if target in params:
-            offs = model.get_submodule(module_name).slice_offsets
-            return target, (slice(offs[i], offs[i + 1]),)
-    return None, ()
+            return target, model.get_submodule(module_name).checkpoint_pieces(m.group("kind"), i)
+    return None, []

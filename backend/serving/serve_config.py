@@ -82,7 +82,7 @@ MODEL_JSON_KEYS: dict[str, tuple[str | None, str]] = {
     "max_lora_rank": ("max_lora_rank", ""),
     "max_cpu_loras": ("max_host_adapters", ""),
     "lora_dtype": ("lora_dtype", ""),
-    "tensor_parallel_size": (None, "a model instance runs on one device; more instances: instance_group"),
+    "tensor_parallel_size": ("tensor_parallel_size", ""),
     "pipeline_parallel_size": (None, "a model instance runs on one device; more instances: instance_group"),
     "quantization": (None, "loom serves unquantized checkpoints"),
     "kv_cache_dtype": (None, "the KV cache has the model's dtype"),

@@ -47,7 +47,7 @@ def test_the_warning_names_each_key_and_what_to_set(tmp_path):
     assert "gpu_memory_utilization=0.5: set parameter 'gpu_memory_utilization'" in w
     assert "enforce_eager=true: set parameter 'cuda_graphs' (enforce_eager true is cuda_graphs false)" in w
     assert "max_loras=4: set parameter 'lora_memory_bytes'" in w
-    assert "tensor_parallel_size=2: loom has no such parameter" in w
+    assert "tensor_parallel_size=2: set parameter 'tensor_parallel_size'" in w
     assert 'speculative_config={"method": "ngram"}: loom has no such parameter' in w
     assert all(f"{k}=" in w for k in VLLM_ARGS)
 

@@ -1,0 +1,69 @@
+"""A tensor-parallel worker process (ranks 1..N-1): its model runner over its shard, one forward per step rank 0
+broadcasts, until rank 0 says stop - or dies.
+
+Started by loom.distributed.ranks (torch.multiprocessing, spawn). The runner class arrives as an argument (the
+engine's ModelRunner, pickled by reference), so this package does not import the engine. The worker leaves when
+its parent goes: a thread blocks on the pipe whose other end only the parent holds, and exits the process at
+end-of-file (a parent killed with SIGKILL included); a collective with a dead rank 0 fails too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import traceback
+
+import torch
+
+from loom.distributed.parallel_state import destroy_group, init_group, make_store
+from loom.distributed.step_broadcast import recv_step
+from loom.layers.forward_context import forward_context
+
+log = logging.getLogger("loom")
+
+
+def _exit_with_parent(conn) -> None:
+    def watch():
+        try:
+            while True:
+                conn.recv()  # the parent never sends: this returns only at end-of-file
+        except (EOFError, OSError):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="loom-tp-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, runner_cls, conn) -> None:
+    """The process's entry point. `config` is the engine's EngineConfig with this rank's device."""
+    _exit_with_parent(conn)
+    try:
+        device = torch.device(config.device)
+        if device.type == "cuda":  # before anything initialises CUDA in this process
+            torch.cuda.set_device(device)
+        group = init_group(rank, world_size, make_store(world_size, port), device)
+        runner = runner_cls(config, model_dir, tp=group)
+        runner.warm_up()
+        serve(runner, group)
+    except BaseException:  # told to rank 0 through the pipe: its error names this rank and carries this text
+        try:
+            conn.send(traceback.format_exc())
+        except OSError:
+            pass
+        os._exit(1)
+    finally:
+        destroy_group()
+
+
+@torch.inference_mode()
+def serve(runner, group) -> None:
+    """Each step: receive it, make this rank's KV block copies, run the forward (its collectives pair with rank 0's;
+    the logits go to rank 0, which samples)."""
+    while True:
+        step = recv_step(group)
+        if step is None:
+            return
+        ids, ctx, copies = step
+        runner.copy_blocks(copies)
+        with forward_context(ctx):
+            runner.forward(ids, ctx.positions, ctx.logits_indices)
