@@ -118,7 +118,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        n_full = seq.num_computed_tokens // bs
+        n_full = (seq.num_computed_tokens - seq.num_draft_tokens) // bs  # drafts may be rejected: never cached
         parent = self.entry_id(seq.block_table[seq.num_hashed_blocks - 1]) if seq.num_hashed_blocks else 0
         for i in range(seq.num_hashed_blocks, n_full):
             block_id = seq.block_table[i]
@@ -203,6 +203,17 @@ class BlockManager:
             self._free_cached[block_id] = None
         else:  # nothing worth keeping: reuse first
             self._free_plain.append(block_id)
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past those holding seq's computed tokens (speculative decoding rolled its length back:
+        they held only rejected drafts, and were never registered)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in reversed(seq.block_table[keep:]):
+            self._unref(block_id)
+        del seq.block_table[keep:]
+        self._new_epoch(seq)  # entries past `keep` will be other blocks: the runner rewrites the row
 
     def free_sequence(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are reused before its (more shareable) head.

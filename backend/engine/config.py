@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
+from loom.engine.spec_decode.config import SpeculativeConfig
 from loom.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,6 +62,15 @@ class EngineConfig:
     # those that need rows placed, but one that has waited this many steps goes before everything queued after it.
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32
+    # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
+    # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
+    # visible GPU from the engine's. Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
+    tensor_parallel_size: int = 1
+    # Speculative decoding (loom.engine.spec_decode): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": .., "prompt_lookup_max": .., "disable_by_batch_size": ..}; a dict or JSON string is
+    # converted. None = off. (Optional[...], not "| None": the type is written in docs/CONFIGURATION.md's table,
+    # where a pipe would split the cell.)
+    speculative_config: Optional[SpeculativeConfig] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +127,14 @@ class EngineConfig:
               "adapter_cache_bytes", "must be an integer >= 1")
         check(isinstance(self.max_lora_wait_steps, int) and 0 <= self.max_lora_wait_steps <= 1 << 20,
               "max_lora_wait_steps", f"must be in [0, 1048576] (0 = FCFS), got {self.max_lora_wait_steps!r}")
+        tp = self.tensor_parallel_size
+        check(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
+              "tensor_parallel_size", f"must be in [1, 64], got {tp!r}")
+        check(tp == 1 or not (self.adapter_roots or self.adapter_sources), "tensor_parallel_size",
+              f"LoRA adapters (adapter_roots, adapter_sources) are not served with tensor_parallel_size {tp} yet")
+        check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
+              f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
 
     @property
     def torch_device(self) -> torch.device:

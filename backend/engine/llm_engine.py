@@ -13,10 +13,13 @@ import json
 import logging
 import os
 import random
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from loom.distributed.parallel_state import RankFailure
+from loom.distributed.ranks import Ranks
 from loom.engine.block_manager import BlockManager
 from loom.engine.config import EngineConfig
 from loom.engine.cpu import tune_mkl_for_amd
@@ -30,12 +33,13 @@ from loom.engine.output_processor import (
     final_output,
     prompt_logprob_rows,
 )
-from loom.engine.outputs import EngineStats, StepOutput
+from loom.engine.outputs import EngineStats, SpecDecodingStats, StepOutput
 from loom.engine.sampler import Sampler, SamplerOutput
 from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.scheduler import ScheduledBatch, Scheduler
 from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.spec_decode.decoder import SpecDecoder
 from loom.errors import RequestError
 from loom.lora.adapter_registry import AdapterRegistry
 
@@ -71,25 +75,14 @@ class LLMEngine:
 
             model_dir = resolve_default_model()
         self.model_dir = model_dir
-        self.runner = ModelRunner(config, model_dir)
-        self.tokenizer = None
-        has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f))
-                            for f in ("tokenizer.json", "tokenizer_config.json"))
-        if load_tokenizer and has_tokenizer:  # test models made without one take token ids only
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
-        self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
-        self.output_processor = OutputProcessor(self.eos_token_ids)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        kv_tokens = self.block_manager.capacity_tokens
-        if kv_tokens < self.max_model_len:  # vLLM refuses to start here; loom serves, and says what it caps
-            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
-                        "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
-                        "kv_cache_memory_bytes or lower max_model_len", kv_tokens, self.max_model_len)
-        self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device,
-                                        config.resolve_lora_dtype(self.runner.dtype))
-        self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
+        # tensor parallelism: this process is rank 0; the workers (ranks 1..N-1) start here and stop in close()
+        self.ranks = Ranks(config, model_dir, ModelRunner) if config.tensor_parallel_size > 1 else None
+        try:
+            self._start(config, model_dir, load_tokenizer)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(orderly=False)
+            raise
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    can_run=self._can_run, on_preempt=self._on_preempt,
                                    adapter_state=lambda seq, place: self.adapters.prefetch(seq.adapter, place),
@@ -97,6 +90,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self.sampling_state = SamplingState(self.runner.vocab_size, self.runner.device, self.runner.buffers)
         self.async_scheduling = config.resolve_async_scheduling(self.runner.device)
+        # speculative decoding: the scheduler drafts through it, steps are synchronous (loom.engine.spec_decode)
+        self.spec = SpecDecoder.attach(self) if config.speculative_config is not None else None
         self._inflight: LaunchedStep | None = None  # async scheduling: the step still running on the device
         self._num_adapter_seqs = 0  # unfinished sequences with an adapter (0: no step builds LoRA metadata)
         self._num_plp_seqs = 0  # unfinished sequences asking for prompt logprobs
@@ -115,6 +110,47 @@ class LLMEngine:
         self._last_batch: list[Sequence] = []
         self.failed_steps_in_a_row = 0
         self.fatal_error: str | None = None  # set by a sticky device error: the engine cannot serve any more
+
+    def _start(self, config: EngineConfig, model_dir: str, load_tokenizer: bool) -> None:
+        """The model runner (rank 0's with tensor parallelism), tokenizer, KV blocks, adapters, warm-up."""
+        self.runner = self._start_runner(config, model_dir)
+        self.tokenizer = None
+        has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
+        if load_tokenizer and has_tokenizer:  # test models made without one take token ids only
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
+        self.output_processor = OutputProcessor(self.eos_token_ids)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv_tokens = self.block_manager.capacity_tokens
+        if kv_tokens < self.max_model_len:  # vLLM refuses to start here; loom serves, and says what it caps
+            log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
+                        "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
+                        "kv_cache_memory_bytes or lower max_model_len", kv_tokens, self.max_model_len)
+        # no adapter pools under tensor parallelism (LoRA is refused there)
+        lora_config = config if self.ranks is None else \
+            replace(config, lora_memory_bytes=0, lora_expert_memory_bytes=0)
+        self.adapters = AdapterRegistry(lora_config, self.runner.model, self.runner.device,
+                                        config.resolve_lora_dtype(self.runner.dtype))
+        self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
+
+    def _start_runner(self, config: EngineConfig, model_dir: str) -> ModelRunner:
+        try:
+            return ModelRunner(config, model_dir, tp=self.ranks.group if self.ranks is not None else None)
+        except Exception as e:
+            if self.ranks is not None and not isinstance(e, ValueError):  # a collective failed: name a dead worker
+                try:
+                    self.ranks.check(grace_s=2.0)
+                except RankFailure as dead:
+                    raise dead from e
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to stop without them). No step runs after."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- adapters --------------------------------------------------------------------------------
 
@@ -156,6 +192,8 @@ class LLMEngine:
                     lora_name: str | None = None) -> None:
         if request_id in self._alive:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
+        if lora_name and self.ranks is not None:
+            raise RequestError("lora_name", "LoRA adapters are not served with tensor_parallel_size > 1 yet")
         limit = self.prompt_limit()
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: as many as allowed)
             k = limit if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -309,6 +347,8 @@ class LLMEngine:
         self.failed_steps_in_a_row += 1
         if self.fatal_error is None and is_sticky_device_error(e):
             self.fatal_error = f"sticky device error: {type(e).__name__}: {e}"
+        if self.fatal_error is None and isinstance(e, RankFailure):  # a dead rank is a dead engine
+            self.fatal_error = str(e)
         for seq in seqs:
             if seq.request_id in self._alive:
                 self.abort_request(seq.request_id, reason="error", error=msg)
@@ -348,10 +388,11 @@ class LLMEngine:
         if self._num_adapter_seqs and any(s.adapter is not None for s in batch.seqs):
             lora = self.adapters.build_lora_meta([s.adapter for s in batch.seqs], batch.num_scheduled_tokens)
         plp_rows, plp_targets = prompt_logprob_rows(batch) if self._num_plp_seqs else ([], [])
+        spec_rows = self.spec.logits_rows(batch) if self.spec is not None else []  # verify rows' other positions
         fill = self._token_fill(batch)
         extra = {"fill": fill} if fill is not None else {}
-        if plp_rows:
-            logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows], **extra)
+        if plp_rows or spec_rows:
+            logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows] + spec_rows, **extra)
         else:
             logits, sampled_idx = self.runner.run(batch, lora, **extra)
         deferred = self._inflight is not None  # placeholders in the computed range: register blocks later
@@ -365,10 +406,14 @@ class LLMEngine:
                 c = seq.num_computed_tokens = seq.num_computed_tokens + n
                 if c >= (seq.num_hashed_blocks + 1) * bs:  # a block filled up
                     bm.register_full_blocks(seq)
+        n_sampled = len(sampled_idx)
         if plp_rows:
-            add_prompt_logprobs(logits[len(sampled_idx):], plp_rows, plp_targets)
-            logits = logits[:len(sampled_idx)]
+            add_prompt_logprobs(logits[n_sampled:n_sampled + len(plp_rows)], plp_rows, plp_targets)
         launched = LaunchedStep(batch, deferred)
+        if spec_rows:  # the drafted sequences are verified, not sampled
+            logits, sampled_idx = self.spec.verify(launched, logits, sampled_idx, n_sampled + len(plp_rows))
+        elif plp_rows:
+            logits = logits[:n_sampled]
         if not sampled_idx:
             return launched
         seqs = list(batch.seqs) if len(sampled_idx) == len(batch.seqs) else [batch.seqs[i] for i in sampled_idx]
@@ -449,11 +494,14 @@ class LLMEngine:
             for seq in launched.batch.seqs:
                 if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:
                     bm.register_full_blocks(seq)
-        if not launched.seqs:
+        if not launched.seqs and launched.spec is None:
             return []
         if launched.event is not None:
             launched.event.synchronize()
-        results, ending, generated = self.output_processor.process(launched)
+        results, ending, generated = self.output_processor.process(launched) if launched.seqs else ([], [], 0)
+        if launched.spec is not None:  # the verified sequences' runs
+            more = self.spec.finish(launched.spec)
+            results, ending, generated = results + more[0], ending + more[1], generated + more[2]
         self.generation_tokens += generated
         if ending:
             self._finish_many(ending)
@@ -475,8 +523,7 @@ class LLMEngine:
                 self.scheduler.add(child)
                 continue
             if copy is not None:
-                kv = self.runner.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
-                kv[:, :, copy[1]].copy_(kv[:, :, copy[0]])
+                self.runner.copy_blocks([copy])
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             child.ever_scheduled = True
@@ -502,4 +549,5 @@ class LLMEngine:
             resident_adapters=self.adapters.num_resident(),
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             running_adapters=running, waiting_adapters=waiting, max_loras=max_loras, block_size=bm.block_size,
-            lora=self.adapters.stats())
+            lora=self.adapters.stats(),
+            spec_decoding=self.spec.stats.copy() if self.spec is not None else SpecDecodingStats())

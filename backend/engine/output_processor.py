@@ -36,6 +36,7 @@ class LaunchedStep:
     stop_ids: dict = field(default_factory=dict)  # row -> its stop_token_ids
     processors: object = None  # ProcessorBatch (grammar matchers accept the tokens)
     needs_host_tokens: bool = False  # grammar / bad_words rows: the next step samples after this one is done
+    spec: object = None  # loom.engine.spec_decode.decoder.VerifiedStep: the sequences verified instead of sampled
 
 
 def final_output(seq: Sequence, error: str | None = None) -> StepOutput:
@@ -48,6 +49,7 @@ def final_output(seq: Sequence, error: str | None = None) -> StepOutput:
 class OutputProcessor:
     def __init__(self, eos_token_ids):
         self.eos = np.asarray(sorted(eos_token_ids), dtype=np.int64)
+        self.eos_set = frozenset(eos_token_ids)
 
     def process(self, launched: LaunchedStep) -> tuple[list[StepOutput], list[tuple[Sequence, str]], int]:
         """A launched step whose device work is done -> its outputs, the sequences that end with it (and why), and
@@ -108,6 +110,42 @@ class OutputProcessor:
         if dropped:
             results = [r for i, r in enumerate(results) if i not in dropped]
         return results, ending, S - len(dropped)
+
+    def process_runs(self, runs: list[tuple[Sequence, list[int], list | None]],
+                     ) -> tuple[list[StepOutput], list[tuple[Sequence, str]], int]:
+        """Sequences that produced several tokens in one step (speculative decoding: (sequence, tokens, per token
+        (logprob, top) or None)): each run is cut at its first token that ends the sequence, by the stops of
+        process(), then appended, in one StepOutput per sequence. -> as process()."""
+        results, ending, generated = [], [], 0
+        eos = self.eos_set
+        for seq, toks, lps in runs:
+            p = seq.params
+            nout = seq.num_output_tokens
+            max_out = min(p.max_tokens, seq.max_total_tokens - seq.num_prompt_tokens)
+            reason = None
+            for i, t in enumerate(toks):
+                n = nout + i + 1
+                if n >= p.min_tokens and ((t in eos and not p.ignore_eos) or t in p.stop_token_ids):
+                    reason = "stop"
+                elif n >= max_out:
+                    reason = "length"
+                if reason is not None:
+                    toks = toks[:i + 1]
+                    break
+            seq.token_ids += toks
+            generated += len(toks)
+            lp = cum = None
+            if lps is not None:
+                lps = lps[:len(toks)]
+                seq.cumulative_logprob += sum(v for v, _ in lps)
+                cum = seq.cumulative_logprob
+                if p.logprobs is not None:
+                    lp = [TokenLogprob(t, v, top[:p.logprobs]) for t, (v, top) in zip(toks, lps)]
+            if reason is not None:
+                ending.append((seq, reason))
+            results.append(StepOutput(seq.request_id, toks, lp, reason is not None, reason, seq.num_prompt_tokens,
+                                      seq.num_cached_tokens, cum, None, seq.index))
+        return results, ending, generated
 
     @staticmethod
     def _logprobs(launched: LaunchedStep, host: np.ndarray, S: int) -> dict:

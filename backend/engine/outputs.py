@@ -34,6 +34,23 @@ class StepOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters since start (vLLM's vllm:spec_decode_* families)."""
+    num_drafts: int = 0  # sequences verified (one draft = a sequence's proposals in a step)
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # proposed tokens the target accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts whose token j was accepted
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -51,6 +68,7 @@ class EngineStats:
     max_loras: int = 0  # adapters of the largest allowed rank that fit the device pool at once
     block_size: int = 0
     lora: LoraStats = field(default_factory=LoraStats)  # the adapters' tiers, evictions and load latencies
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # speculative decoding counters
 
     @property
     def prefix_hit_rate(self) -> float:

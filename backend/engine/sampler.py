@@ -52,7 +52,7 @@ from loom.engine.sampling_params import SamplingParams
 from loom.engine.sampling_rng import CDF_BLOCK, GOLDEN, counter_uniform, mix64, row_keys, sample_from_logits
 from loom.kernels import argmax
 
-__all__ = ["SAMPLING_EPS", "Sampler", "SamplerOutput", "SamplingBatch",
+__all__ = ["SAMPLING_EPS", "Sampler", "SamplerOutput", "SamplingBatch", "raw_logprobs",
            # re-exported from loom.engine.sampling_filters and loom.engine.sampling_rng
            "TOP_P_CANDIDATES", "apply_min_p", "apply_penalties", "apply_top_k_top_p", "token_counts",
            "CDF_BLOCK", "GOLDEN", "counter_uniform", "mix64", "row_keys", "sample_from_logits"]
@@ -127,6 +127,10 @@ class SamplingBatch:
     need_logprobs: bool = True  # some row wants its sampled token's logprob (logprobs or a cumulative logprob)
     logprob_rows: Tensor | None = None  # [L] those rows (None: all rows)
     greedy_rows: Tensor | None = None  # [G] rows with temperature 0 when the batch mixes greedy and random rows
+
+    def random_part(self, t: Tensor) -> Tensor:
+        """The random rows' entries of a per-row tensor (all of it when every row is random)."""
+        return t if self.random_rows is None else t.index_select(0, self.random_rows)
 
     @classmethod
     def build(
@@ -273,7 +277,11 @@ class Sampler:
             x.index_put_((b.min_tokens_rows, b.min_tokens_cols), torch.tensor(float("-inf"), device=x.device))
         return x
 
-    def __call__(self, logits: Tensor, b: SamplingBatch) -> SamplerOutput:
+    def filtered(self, logits: Tensor, b: SamplingBatch) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The distributions a step draws from: (the logits after the grammar mask, which logprobs read; the
+        processed logits greedy rows take the argmax of; the random rows' logits after temperature, top-k / top-p
+        and min-p, in ``b.random_rows`` order, or None when every row is greedy). Speculative verification
+        (loom.engine.spec_decode) reads the same three."""
         assert logits.dim() == 2 and logits.shape[1] == b.vocab_size, (tuple(logits.shape), b.vocab_size)
         logits = logits.float()
         if b.processors is not None:
@@ -283,27 +291,29 @@ class Sampler:
         x = self.process_logits(logits, b)
         if b.processors is not None and b.processors.rows is not None:
             x = _revive_dead_rows(x, logits, b.processors.rows)
+        if b.all_greedy:
+            return logits, x, None
+        g = b.random_part
+        xr = g(x) / g(b.temperature)[:, None]
+        if not b.no_top_k_top_p:
+            q = b.top_k_top_p_rows
+            k, p = g(b.top_k), g(b.top_p)
+            if q is not None:
+                k, p = k.index_select(0, q), p.index_select(0, q)
+            sub = xr if q is None else xr.index_select(0, q)
+            sub = apply_top_k_top_p(sub, k, p if b.use_top_p else None, b.top_k_max)
+            xr = sub if q is None else xr.index_copy(0, q, sub)
+        if not b.no_min_p:
+            xr = apply_min_p(xr, g(b.min_p))
+        return logits, x, xr
 
+    def __call__(self, logits: Tensor, b: SamplingBatch) -> SamplerOutput:
+        logits, x, xr = self.filtered(logits, b)
         if b.all_greedy:
             token_ids = argmax(x)
         else:
             rows = b.random_rows
-
-            def g(t: Tensor) -> Tensor:
-                return t if rows is None else t.index_select(0, rows)
-
-            xr = g(x) / g(b.temperature)[:, None]
-            if not b.no_top_k_top_p:
-                q = b.top_k_top_p_rows
-                k, p = g(b.top_k), g(b.top_p)
-                if q is not None:
-                    k, p = k.index_select(0, q), p.index_select(0, q)
-                sub = xr if q is None else xr.index_select(0, q)
-                sub = apply_top_k_top_p(sub, k, p if b.use_top_p else None, b.top_k_max)
-                xr = sub if q is None else xr.index_copy(0, q, sub)
-            if not b.no_min_p:
-                xr = apply_min_p(xr, g(b.min_p))
-            sampled = sample_from_logits(xr, counter_uniform(g(b.seeds), g(b.steps)))
+            sampled = sample_from_logits(xr, counter_uniform(b.random_part(b.seeds), b.random_part(b.steps)))
             if rows is None:
                 token_ids = sampled
             else:  # greedy rows take the argmax and nothing else
@@ -314,16 +324,26 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: Tensor, token_ids: Tensor, b: SamplingBatch) -> SamplerOutput:
-        """Raw-model logprobs of the rows that want them: logit - logsumexp (no [rows, V] log_softmax)."""
+        """Raw-model logprobs of the rows that want them (logit - logsumexp)."""
         if not b.need_logprobs:
             return SamplerOutput(token_ids, None, None, None)
         rows = b.logprob_rows
         lg = logits if rows is None else logits.index_select(0, rows)
         tok = token_ids if rows is None else token_ids.index_select(0, rows)
-        lse = torch.logsumexp(lg, dim=-1)
-        logprobs = lg.gather(1, tok[:, None]).squeeze(1) - lse
-        topk_ids = topk_lp = None
-        if b.max_logprobs > 0:
-            vals, topk_ids = lg.topk(min(b.max_logprobs, b.vocab_size), dim=-1)
-            topk_lp = vals - lse[:, None]
+        logprobs, topk_ids, topk_lp = raw_logprobs(lg, tok, min(b.max_logprobs, b.vocab_size))
         return SamplerOutput(token_ids, logprobs, topk_ids, topk_lp, rows)
+
+
+def raw_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Each row's logprob of its token [R] and, when k > 0, its top-k ids and logprobs [R, k] (best first), as
+    ``logit - logsumexp`` (no [rows, V] log_softmax is materialised). ``token_ids`` may be [R, m]: m tokens a row."""
+    lse = torch.logsumexp(logits, dim=-1)
+    tok = token_ids[:, None] if token_ids.dim() == 1 else token_ids
+    logprobs = logits.gather(1, tok) - lse[:, None]
+    if token_ids.dim() == 1:
+        logprobs = logprobs.squeeze(1)
+    topk_ids = topk_lp = None
+    if k > 0:
+        vals, topk_ids = logits.topk(k, dim=-1)
+        topk_lp = vals - lse[:, None]
+    return logprobs, topk_ids, topk_lp

@@ -52,6 +52,8 @@ class SamplingParams:
     # Not a vLLM parameter: report the cumulative logprob without asking for `logprobs` (Triton's
     # return_cumulative_logprob sets it). Without either, no logprob is computed and it is reported as None.
     cumulative_logprob: bool = False
+    # Not a vLLM parameter: false opts this request out of speculative decoding (EngineConfig.speculative_config)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -110,6 +112,7 @@ class SamplingParams:
               "stop_token_ids", f"must be a list of at most {MAX_STOP_ITEMS} non-negative token ids")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be true or false")
         check(isinstance(self.cumulative_logprob, bool), "cumulative_logprob", "must be true or false")
+        check(isinstance(self.speculative, bool), "speculative", "must be true or false")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= max_logprobs), "logprobs",
               f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
         check(self.prompt_logprobs is None

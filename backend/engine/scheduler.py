@@ -26,10 +26,23 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from loom.engine.block_manager import BlockManager
 from loom.engine.sequence import Sequence, SequenceStatus
+
+
+class Drafter(Protocol):
+    """Speculative decoding's side of scheduling (loom.engine.spec_decode.SpecDecoder)."""
+
+    def active(self, running: list[Sequence]) -> bool:
+        """Whether this step speculates at all (the back-off), asked once per step."""
+
+    def draft(self, seq: Sequence, max_tokens: int) -> int:
+        """Append up to max_tokens proposals to a decoding seq's token_ids; -> how many."""
+
+    def undo(self, seq: Sequence) -> None:
+        """Take its proposals back (no blocks for them)."""
 
 
 @dataclass
@@ -47,7 +60,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  can_run: Callable[[Sequence], bool] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 adapter_state: Callable[[Sequence, bool], str] | None = None, max_lora_wait_steps: int = 0):
+                 adapter_state: Callable[[Sequence, bool], str] | None = None, max_lora_wait_steps: int = 0,
+                 drafter: Drafter | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +71,7 @@ class Scheduler:
         self.on_preempt = on_preempt or (lambda seq: None)
         self.adapter_state = adapter_state or (lambda seq, place: ON_DEVICE)
         self.max_lora_wait_steps = max_lora_wait_steps  # W of the module docstring's rule
+        self.drafter = drafter  # speculative decoding: decodes may carry proposals to verify
         self.num_steps = 0  # schedule() calls so far: the clock of the requests' ages
         self._queued_at: dict[Sequence, int] = {}  # waiting sequence -> num_steps when it was queued
         self.waiting: deque[Sequence] = deque()
@@ -113,6 +128,7 @@ class Scheduler:
         # 1) running requests, oldest first; preempt from the newest end when blocks run out. A victim is always
         # at or after position i (popped from the end), so nothing scheduled is ever taken back.
         running = self.running
+        drafter = self.drafter if self.drafter is not None and self.drafter.active(running) else None
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -122,6 +138,11 @@ class Scheduler:
             elif n <= 0:  # nothing to compute (cannot happen today; never schedule an empty entry)
                 i += 1
                 continue
+            if n == 1 and drafter is not None and budget > 1:  # a verify row: 1 + k tokens, like a prefill chunk
+                n += drafter.draft(seq, budget - 1)
+                if n > 1 and not self.bm.allocate(seq, n):  # proposals never preempt anything
+                    drafter.undo(seq)
+                    n = 1
             if seq.num_computed_tokens + n > len(seq.block_table) * bs:  # needs blocks
                 preempted_self = False
                 while not self.bm.allocate(seq, n):

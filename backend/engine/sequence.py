@@ -44,6 +44,9 @@ class Sequence:
     sampling_row: int = -1  # its row in the engine's SamplingState once it sampled (-1: none)
     # async scheduling: (step in flight, its row there, position in token_ids) of the token that step is sampling
     pending: Any = None
+    # speculative decoding: the last num_draft_tokens of token_ids are proposals being verified this step (only
+    # between the scheduler drafting them and the step's verification; loom.engine.spec_decode)
+    num_draft_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first scheduled (TTFT waterfall)
     num_prompt_tokens: int = field(init=False)  # the prompt never changes: a plain attribute (read every step)
 

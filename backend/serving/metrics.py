@@ -33,7 +33,7 @@ import time
 import traceback
 from typing import Sequence
 
-from loom.engine.outputs import EngineStats
+from loom.engine.outputs import EngineStats, SpecDecodingStats
 from loom.lora.lora_stats import LOAD_TIERS, LoraStats
 from loom.serving.async_engine import RequestTiming
 
@@ -157,6 +157,15 @@ class LoomMetrics:
             self._lora_info = _SeriesSet(MF, "vllm:lora_requests_info", "Running stats on lora requests.")
             self._lora_prefix = lora_info_prefix
             self._lora_set_at = 0.0
+            # speculative decoding, vLLM's counters (exposed with prometheus_client's _total suffix, as vLLM shows them)
+            self.v_spec_drafts = counter("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.")
+            self.v_spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.")
+            self.v_spec_accepted = counter("vllm:spec_decode_num_accepted_tokens_total",
+                                           "Number of accepted tokens.")
+            self._spec_pos = family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                    "Accepted tokens per draft position.", MF.COUNTER)
+            self.v_spec_per_pos: list = []  # one series per draft position, made as positions appear
+            self._spec_seen = SpecDecodingStats()
 
         self.interval_s = interval_s
         self._last: dict[int, float] = {}  # id(gauge) -> the value last set
@@ -289,6 +298,23 @@ class LoomMetrics:
             self._set(self.v_gpu_kv, usage)
             if stats.max_loras > 0:
                 self._set_lora_info(stats)
+            self._apply_spec(stats.spec_decoding)
+
+    def _apply_spec(self, spec: SpecDecodingStats) -> None:
+        seen = self._spec_seen
+        for metric, now, before in ((self.v_spec_drafts, spec.num_drafts, seen.num_drafts),
+                                    (self.v_spec_draft_tokens, spec.num_draft_tokens, seen.num_draft_tokens),
+                                    (self.v_spec_accepted, spec.num_accepted_tokens, seen.num_accepted_tokens)):
+            if now > before:
+                metric.increment(now - before)
+        while len(self.v_spec_per_pos) < len(spec.accepted_per_pos):
+            self.v_spec_per_pos.append(self._spec_pos.Metric(
+                labels={**self.labels, "position": str(len(self.v_spec_per_pos))}))
+        for j, now in enumerate(spec.accepted_per_pos):
+            before = seen.accepted_per_pos[j] if j < len(seen.accepted_per_pos) else 0
+            if now > before:
+                self.v_spec_per_pos[j].increment(now - before)
+        self._spec_seen = spec
 
     def _set_lora_info(self, stats: EngineStats) -> None:
         """One series whose labels are the current adapter sets; value: when it was last updated."""

@@ -29,6 +29,7 @@ _FIELD_KINDS: dict[str, str] = {
     "skip_special_tokens": "bool", "n": "int", "logit_bias": "bias", "allowed_token_ids": "int_list",
     "bad_words": "str_list", "truncate_prompt_tokens": "int", "spaces_between_special_tokens": "bool",
     "prompt_logprobs": "int", "structured_outputs": "structured",
+    "speculative": "bool",  # not vLLM's: false opts the request out of speculative decoding
 }
 # Older names: guided_decoding is what structured_outputs was called before vLLM 0.10.2 (same fields).
 _ALIASES = {"guided_decoding": "structured_outputs"}

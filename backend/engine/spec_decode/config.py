@@ -1,0 +1,70 @@
+"""SpeculativeConfig: vLLM's names (method, num_speculative_tokens, prompt_lookup_min / _max, model,
+disable_by_batch_size), validated at construction with errors naming the field."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from loom.errors import ConfigError
+
+# The back-off default. On CPU a step is bound by reading the weights while its rows are few, so a verify row of
+# 1 + k tokens costs about what a decode row costs; with many rows a step becomes compute-bound and every proposed
+# token is paid for. scripts/bench_spec.py (default model, 2 shared cores, noisy): at 4 decode rows grounded
+# prompts still gained 1.38x, open-ended ones were within noise (0.93x, acceptance 0.29); so speculate up to 4.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"  # "ngram" (prompt lookup); "draft_model" is refused for now
+    num_speculative_tokens: int = 4  # k: tokens proposed, and verified in one target forward, per sequence
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's prompt and output
+    prompt_lookup_min: int = 2  # shortest one tried (n from max down to min; the first n that matches wins)
+    model: str = ""  # the draft model of method draft_model
+    # No speculation in a step whose decode rows exceed this (0: always speculate where proposals exist).
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"speculative_config.{name}", msg)
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check(self.method in ("ngram", "draft_model"), "method", f"must be ngram or draft_model, got {self.method!r}")
+        check(self.method != "draft_model", "method",
+              "draft_model is not supported yet: use ngram (prompt lookup), which needs no second model")
+        check(isinstance(self.model, str) and not self.model, "model",
+              "is only for method draft_model, which is not supported yet; leave it empty for ngram")
+        check(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
+              "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
+              f"must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        check(is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
+              "prompt_lookup_max", f"must be an integer in [prompt_lookup_min={self.prompt_lookup_min}, 64], "
+                                   f"got {self.prompt_lookup_max!r}")
+        check(is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 0, "disable_by_batch_size",
+              f"must be an integer >= 0 (0 = never), got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from itself, a dict (the offline API's keyword, as vLLM takes it), a JSON object string
+        (config.pbtxt) or None / "" (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError("speculative_config", f"must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config", f"must be an object such as {{\"method\": \"ngram\", "
+                              f"\"num_speculative_tokens\": 4}}, got {type(value).__name__}")
+        known = [f.name for f in fields(cls)]
+        for key in value:
+            if key not in known:
+                raise ConfigError(f"speculative_config.{key}", f"unknown key; known: {', '.join(known)}")
+        return cls(**value)

@@ -1,0 +1,191 @@
+"""The engine's side of speculative decoding: draft while scheduling, verify after the forward, roll back.
+
+A step runs like this (every step of an engine with speculation is synchronous: drafting needs the tokens
+accepted by the previous step on the host, so async scheduling is off):
+1. the scheduler, walking the running decodes, asks `draft()`: prompt-lookup proposals d_1..d_k are appended to
+   the sequence's token_ids (Sequence.num_draft_tokens = k) and it is scheduled as a row of 1 + k tokens, a small
+   prefill chunk over its paged KV, in the step with the other decodes and prefills (in its adapter's LoRA group);
+2. the forward returns, besides the usual sampled row (the bonus position), the logits of the k positions before
+   it (`logits_rows()`: extra rows of the model runner), and `verify()` takes those sequences out of the plain
+   sampling and decides, per position, with the target's distributions (loom.engine.spec_decode.verifier);
+3. `finish()` rolls each sequence back to its verified length: the drafts leave token_ids, the computed length
+   becomes the last real token plus the accepted drafts (the rejected drafts' KV slots are overwritten next
+   step), blocks that only rejected drafts used are freed; then the accepted run plus the one token after it go
+   through the output processor's stops (eos, stop_token_ids, max_tokens, the context: the run is cut there).
+
+Not speculated (they take the plain path, stated in docs/CONFIGURATION.md): structured outputs (the grammar matcher
+would have to follow the proposals), penalties (their per-row state lives on the device, appended one token a
+step), a request's first token, requests with "speculative": false, and every decode of a step with more decode
+rows than disable_by_batch_size. Verify rows run eagerly (a step with one is not decode-only: no CUDA graph).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loom.engine.outputs import SpecDecodingStats
+from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.spec_decode.config import SpeculativeConfig
+from loom.engine.spec_decode.ngram import propose_ngram
+from loom.engine.spec_decode.verifier import verify_rows
+
+
+@dataclass
+class Run:
+    """A verified sequence's result: the accepted proposals, then the token after them."""
+    seq: Sequence
+    accepted: int
+    tokens: list[int]
+    logprobs: list | None = None  # per token (logprob, [(top id, logprob)]) when the sequence wants them
+
+
+@dataclass
+class VerifiedStep:
+    runs: list[Run] = field(default_factory=list)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, engine):
+        self.config = config
+        self.bm = engine.block_manager
+        self.state = engine.sampling_state
+        self.output_processor = engine.output_processor
+        self.vocab_size = engine.runner.vocab_size
+        self.device = engine.runner.device
+        self.stop_eos = sorted(engine.eos_token_ids)
+        self.sampler = Sampler()
+        self.stats = SpecDecodingStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    @classmethod
+    def attach(cls, engine) -> "SpecDecoder":
+        """Wire speculation into an engine: the scheduler drafts through it; steps become synchronous."""
+        spec = cls(engine.config.speculative_config, engine)
+        engine.scheduler.drafter = spec
+        engine.async_scheduling = False
+        return spec
+
+    # ---- scheduling (loom.engine.scheduler.Drafter) ------------------------------------------------
+    def active(self, running: list[Sequence]) -> bool:
+        limit = self.config.disable_by_batch_size
+        if not limit or len(running) <= limit:
+            return True
+        return sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1) <= limit
+
+    def draft(self, seq: Sequence, max_tokens: int) -> int:
+        p = seq.params
+        if not (p.speculative and seq.matcher is None and seq.sampling_row >= 0 and seq.num_output_tokens
+                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            return 0
+        max_out = min(p.max_tokens, seq.max_total_tokens - seq.num_prompt_tokens)
+        k = min(self.config.num_speculative_tokens, max_tokens, max_out - seq.num_output_tokens - 1)
+        c = self.config
+        proposals = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        seq.token_ids += proposals
+        seq.num_draft_tokens = len(proposals)
+        return len(proposals)
+
+    def undo(self, seq: Sequence) -> None:
+        if seq.num_draft_tokens:
+            del seq.token_ids[-seq.num_draft_tokens:]
+            seq.num_draft_tokens = 0
+
+    # ---- the step ----------------------------------------------------------------------------------
+    @staticmethod
+    def logits_rows(batch) -> list[int]:
+        """Flat token rows of the step whose logits verification needs besides the sampled ones: positions
+        0..k-1 of each verify row (position k, after the last proposal, is its sampled row)."""
+        rows: list[int] = []
+        off = 0
+        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
+            if seq.num_draft_tokens:
+                rows.extend(range(off, off + seq.num_draft_tokens))
+            off += n
+        return rows
+
+    def verify(self, launched, logits: torch.Tensor, sampled_idx: list[int], first_extra: int):
+        """Verify the drafted sequences of a run step (their extra rows start at logits row `first_extra`), and
+        note their runs in `launched.spec`. -> the logits and batch indices of the other sampled sequences."""
+        seqs = launched.batch.seqs
+        plain_pos, plain_idx, rows = [], [], []
+        drafted: list[Sequence] = []
+        extra = first_extra
+        for pos, i in enumerate(sampled_idx):
+            seq = seqs[i]
+            k = seq.num_draft_tokens
+            if not k:
+                plain_pos.append(pos)
+                plain_idx.append(i)
+                continue
+            drafted.append(seq)
+            rows += range(extra, extra + k)
+            rows.append(pos)
+            extra += k
+        dev = logits.device
+        launched.spec = VerifiedStep(self._verify(drafted, logits.index_select(0, torch.tensor(rows, device=dev))))
+        return logits.index_select(0, torch.tensor(plain_pos, dtype=torch.int64, device=dev)), plain_idx
+
+    def _verify(self, drafted: list[Sequence], logits: torch.Tensor) -> list[Run]:
+        params, seeds, prompts, outputs, stops, constraints, want_lp, proposals = [], [], [], [], [], [], [], []
+        for seq in drafted:
+            p, k = seq.params, seq.num_draft_tokens
+            out = seq.output_token_ids  # with the proposals: row j sees the outputs and d_1..d_j
+            n0 = len(out) - k
+            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else self.stop_eos)
+            for j in range(k + 1):
+                params.append(p)
+                seeds.append(seq.seed)
+                prompts.append(seq.prompt_token_ids)
+                outputs.append(out[:n0 + j])
+                stops.append(stop)
+                constraints.append(seq.constraints)
+                want_lp.append(seq.wants_logprob)
+            proposals += out[n0:] + [-1]
+        b = SamplingBatch.build(params, seeds, prompts, outputs, stops, self.vocab_size, self.device,
+                                constraints=constraints, want_logprobs=want_lp)
+        top_k = max((s.params.logprobs or 0) for s in drafted) if any(s.wants_logprob for s in drafted) else -1
+        v = verify_rows(self.sampler, logits, b, torch.tensor(proposals, dtype=torch.int64, device=self.device),
+                        top_k)
+        runs, r = [], 0
+        st = self.stats
+        for seq in drafted:
+            k = seq.num_draft_tokens
+            acc = v.accepted[r:r + k]
+            a = k if acc.all() else int(np.argmin(acc))  # the first rejected position
+            tokens = proposals[r:r + a] + [int(v.fallback[r + a])]
+            lps = None
+            if seq.wants_logprob:
+                vals = list(v.proposal_logprob[r:r + a]) + [v.fallback_logprob[r + a]]
+                tops = [[]] * (a + 1) if v.top_ids is None else [
+                    list(zip(v.top_ids[j].tolist(), v.top_logprobs[j].tolist())) for j in range(r, r + a + 1)]
+                lps = [(float(x), t) for x, t in zip(vals, tops)]
+            runs.append(Run(seq, a, tokens, lps))
+            st.num_drafts += 1
+            st.num_draft_tokens += k
+            st.num_accepted_tokens += a
+            for j in range(a):
+                st.accepted_per_pos[j] += 1
+            r += k + 1
+        return runs
+
+    def finish(self, step: VerifiedStep):
+        """Roll the verified sequences back to their verified length and make their outputs (runs cut at stops).
+        -> (outputs, sequences ending, tokens generated), as OutputProcessor.process."""
+        runs = []
+        for run in step.runs:
+            seq = run.seq
+            self.undo(seq)
+            if seq.status is SequenceStatus.FINISHED:  # ended since the launch: nothing to place
+                continue
+            seq.num_computed_tokens = len(seq.token_ids) + run.accepted  # the last real token and the accepted
+            self.bm.trim(seq)
+            runs.append((seq, run.tokens, run.logprobs))
+        results, ending, generated = self.output_processor.process_runs(runs)
+        ended = {id(s) for s, _ in ending}
+        for seq, _, _ in runs:
+            if id(seq) not in ended:
+                self.bm.register_full_blocks(seq)
+                self.state.steps[seq.sampling_row] = seq.num_output_tokens  # the plain path's output index
+        return results, ending, generated
