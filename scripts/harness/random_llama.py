@@ -5,6 +5,7 @@ The weights are drawn on the device and streamed into one safetensors file tenso
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -90,10 +91,14 @@ def ensure_random_llama(work_dir: Path, name: str, cfg: dict, device) -> str:
     if (link / "config.json").is_file():
         return str(link.resolve())
     root = scratch_root(Path(work_dir), checkpoint_bytes(cfg))
-    target = root / f"{Path(work_dir).name}-{name}" if root != Path(work_dir) else link
+    # outside work_dir the folder is named after work_dir's full path: two work dirs of the same base name (pytest's
+    # tmp_path of one test in two runs) never share it; a leftover of a killed run of this work_dir is replaced
+    key = hashlib.sha1(str(Path(work_dir).resolve()).encode()).hexdigest()[:12]
+    target = root / f"loom-{key}-{name}" if root != Path(work_dir) else link
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     write_random_llama(tmp, cfg, device)
+    shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     if target != link:
         link.symlink_to(target, target_is_directory=True)

@@ -142,12 +142,19 @@ def test_gpu_check_plan(tmp_path):
 def test_peak_prefill_step_times_the_prefill(tmp_path):
     """memory's largest-prefill measurement times the step that runs the whole prompt (not a decode after it):
     the timed step's tokens are checked, and a prefill run before the timed step is caught."""
-    import pytest
-
     from harness import gpu_perf
-    from harness.random_llama import TINY_A, ensure_random_llama
+    from harness.random_llama import TINY_A, ensure_random_llama, remove_scratch
 
     model = ensure_random_llama(tmp_path, "tiny", dict(TINY_A, max_position_embeddings=4096), "cpu")
+    try:
+        _check_peak_steps(gpu_perf, model)
+    finally:  # the model may sit in /dev/shm, outside tmp_path
+        remove_scratch(tmp_path)
+
+
+def _check_peak_steps(gpu_perf, model: str) -> None:
+    import pytest
+
     state = {}
     gpu_perf._default_start(model, "cpu", state, {"max_num_seqs": 4})
     eng = state["eng"]
