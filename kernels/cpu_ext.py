@@ -36,7 +36,7 @@ log = logging.getLogger("loom")
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "moe.cpp",
-                 "layer.cpp")
+                 "layer.cpp", "quant_gemm.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +66,8 @@ _SIGNATURES = {
                        _P, _P, _P, _I64, _I64, _I64, _I32],
     "loom_decoder_layer_workspace": [_P, _I64],
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P],
+    "loom_quant_gemm": [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _F32, _P, _I64, _I64, _P, _P, _I64, _I64, _I32],
+    "loom_quant_gemm_direct_rows": [],
 }
 # the bfloat16 variants of the pointwise, KV store and attention kernels (ACT_SUFFIX): the same arguments, but the
 # norm's, which also says whether its weight is float32
@@ -78,7 +80,8 @@ _SIGNATURES["loom_rms_norm_bf16"] = [_P, _I64, _P, _I64, _P, _I32, _F32, _P, _I6
 ISAS = (("AVX-512", ("avx512f", "avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-mavx512f")),
         ("AVX2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")))
 
-_RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64}  # the others return nothing
+# the others return nothing
+_RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64, "loom_quant_gemm_direct_rows": _I64}
 
 
 @functools.lru_cache(maxsize=None)

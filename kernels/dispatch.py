@@ -22,6 +22,7 @@ from loom.kernels.cpu_pointwise import (
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
+from loom.kernels.cpu_quant import PackedQuantWeight, quant_linear_ref
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
 from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
@@ -29,6 +30,7 @@ from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
 from loom.kernels.policy import CPU, TRITON, for_tensor
+from loom.kernels.quant_gemm import quant_gemm_triton
 from loom.kernels.rotary import rotary_embedding_ref, rotary_embedding_triton, rotary_store_kv_triton
 
 
@@ -144,3 +146,15 @@ def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
     if ops == CPU and cpu_lora.takes(x, lora_a, lora_b, y):
         return lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta)
     return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)
+
+
+def quant_linear(x, w, bias=None):
+    """x @ dequant(w)^T + bias for a weight kept quantized (layers/quant_linear.py): w a QuantizedWeight (Triton's
+    weight-only kernel on CUDA) or a cpu_quant.PackedQuantWeight (re-laid out at start where the C++ kernel runs);
+    the reference, dequantize + F.linear, otherwise."""
+    path = for_tensor(x).quant
+    if path == TRITON and not isinstance(w, PackedQuantWeight):
+        return quant_gemm_triton(x, w, bias)
+    if path == CPU and isinstance(w, PackedQuantWeight):
+        return w(x, bias)
+    return quant_linear_ref(x, w, bias)

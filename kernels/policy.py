@@ -11,6 +11,9 @@
       start; AMX / avx512_bf16 where the CPU has them), where torch's oneDNN takes bfloat16 on this CPU and the
       forward is not compiled; LoRA, MoE experts and the one-call layer stay on the PyTorch path (float32 only).
     float16: the references. Every dtype's float32 logits take the C++ argmax.
+    Quantized checkpoints' linear layers keep their weights quantized (layers/quant_linear.py): the C++ weight-only
+    GEMM (int8 / int4 / FP8 dequantised in registers, float32 math) for float32 and bfloat16 models with the library
+    built and an eager forward; Triton's weight-only kernel where Triton runs; dequantize + F.linear otherwise.
 An engine decides once at its start (`decide`; model_runner logs `describe`); kernels/dispatch.py asks `for_tensor`
 at each call: the same decision for the device and dtype of the call's tensors (an engine's tensors get the engine's
 ops and argmax paths; a kernel test's, the default for them). Whether a C++ kernel takes a call's tensors (dtype,
@@ -40,6 +43,10 @@ class KernelPath:
     argmax: str  # CPU or REFERENCE (torch.argmax: there is no Triton argmax)
     gemm: str  # linear layers over weights packed at start: GEMM_LOOM, GEMM_ONEDNN, or "" (F.linear)
     layer_pass: bool  # each decoder layer the C++ layer takes runs in one call (models/layer_pass.py)
+    # linear layers whose weights a quantized checkpoint stores (layers/quant_linear.py): TRITON (quant_gemm's
+    # weight-only kernel), CPU (the C++ weight-only GEMM over weights re-laid out at start, kernels/cpu_quant.py) or
+    # REFERENCE (dequantize + F.linear at each call)
+    quant: str = REFERENCE
 
     @property
     def packed(self) -> bool:
@@ -91,7 +98,8 @@ _TABLE = {
         ops=TRITON if triton else CPU if built and kind in (F32, BF16) else REFERENCE,
         argmax=CPU if built and not triton else REFERENCE,
         gemm=_gemm(triton, built, kind, compiled, onednn),
-        layer_pass=built and kind == F32 and not (triton or compiled))
+        layer_pass=built and kind == F32 and not (triton or compiled),
+        quant=TRITON if triton else CPU if built and kind in (F32, BF16) and not compiled else REFERENCE)
     for triton, built, compiled, onednn in itertools.product((False, True), repeat=4) for kind in (F32, BF16, OTHER)
 }
 

@@ -3,7 +3,8 @@ effects). model_runner calls set_up_process (the number of compute threads, MKL'
 reuse of freed activations), then decides the kernel path (kernels/policy.py: Triton, the C++ kernels or the
 references, whether weights are packed and the layer pass runs) and applies it here (apply_path: the linear layers'
 and MoE experts' GEMMs over packed weights - float32: the C++ GEMM's panels; bfloat16: oneDNN's prepacked layout -,
-each decoder layer in one C++ call, models/layer_pass.py).
+each decoder layer in one C++ call, models/layer_pass.py; a quantized checkpoint's linear layers: their weights
+re-laid out for the C++ weight-only GEMM, pack_quantized_weights).
 
 Elsewhere, by layer: each op's choice per call is kernels/dispatch.py; the C++ library's build and the OpenMP
 helpers for threads beside the compute thread (serial_thread, on_a_passing_thread; lora/ uses them) are
@@ -107,12 +108,18 @@ def set_up_process(cpu_threads: int) -> int:
 def apply_path(model: nn.Module, path) -> None:
     """Packs the weights and sets the layer pass as `path` (kernels/policy.KernelPath) says; nothing where it packs
     nothing (CUDA, the references)."""
-    if not path.packed:
-        return
     import time
 
-    from loom.kernels.policy import GEMM_ONEDNN
+    from loom.kernels.policy import CPU, GEMM_ONEDNN
 
+    t = time.perf_counter()
+    if path.quant == CPU:
+        n, nbytes = pack_quantized_weights(model)
+        if n:
+            log.info("re-laid out %d quantized linear layers' weights (%.1f MB) for the C++ weight-only GEMM in "
+                     "%.2fs", n, nbytes / 1e6, time.perf_counter() - t)
+    if not path.packed:
+        return
     t = time.perf_counter()
     if path.gemm == GEMM_ONEDNN:
         n, how = pack_linear_weights_bf16(model), "oneDNN's prepacked bfloat16 layout"
@@ -143,8 +150,10 @@ def pack_linear_weights(model: nn.Module, experts: bool = True) -> int:
             return PackedExperts.numel(mod.gate_up_proj.shape, mod.down_proj.shape)
         return PackedWeight.panels_numel(*mod.weight.shape)
 
+    from loom.layers.quant_linear import QuantLinear
+
     kinds = (LoRALinear, nn.Linear, Experts) if experts else (LoRALinear, nn.Linear)
-    mods = [mod for mod in model.modules() if isinstance(mod, kinds)]
+    mods = [mod for mod in model.modules() if isinstance(mod, kinds) and not isinstance(mod, QuantLinear)]
     sizes = [-(-numel(mod) // 16) * 16 for mod in mods]  # each module's panels start on a cache line (16 floats)
     arena = empty_on_huge_pages((sum(sizes),))
     start = 0
@@ -167,10 +176,12 @@ def pack_linear_weights_bf16(model: nn.Module) -> int:
     their PyTorch path. Returns how many modules were packed; each holds a second, packed copy of its weights."""
     from loom.kernels.cpu_linear import PrepackedBf16
     from loom.layers.linear import LoRALinear
+    from loom.layers.quant_linear import QuantLinear
 
     n = 0
     for mod in model.modules():
-        if not isinstance(mod, (LoRALinear, nn.Linear)) or mod.weight.dtype != torch.bfloat16:
+        if not isinstance(mod, (LoRALinear, nn.Linear)) or isinstance(mod, QuantLinear) or \
+                mod.weight.dtype != torch.bfloat16:
             continue
         packed = PrepackedBf16(mod.weight, mod.bias)
         if isinstance(mod, LoRALinear):
@@ -179,3 +190,29 @@ def pack_linear_weights_bf16(model: nn.Module) -> int:
             mod.forward = packed
         n += 1
     return n
+
+
+def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
+    """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) for the C++ weight-only GEMM
+    (kernels/cpu_quant.PackedQuantWeight), dropping the checkpoint-layout copy; a part the kernel does not take
+    keeps its QuantizedWeight (the reference runs it). Returns (layers re-laid out, bytes of their panels)."""
+    from loom.kernels.cpu_quant import PackedQuantWeight, takes
+    from loom.layers.quant_linear import QuantLinear
+    from loom.models.quant.weight import QuantizedWeight
+
+    n, nbytes = 0, 0
+
+    def pack(w):
+        nonlocal nbytes
+        if not isinstance(w, QuantizedWeight) or not takes(w):
+            return w
+        packed = PackedQuantWeight(w)
+        packed.drop_source()
+        nbytes += packed.nbytes()
+        return packed
+
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.map_parts(pack)
+            n += 1
+    return n, nbytes

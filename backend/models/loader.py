@@ -1,6 +1,7 @@
 """Load an HF model directory as is: config.json + single or sharded safetensors (never pickle)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,7 +12,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from loom.errors import ConfigError
-from loom.layers.linear import ALL
+from loom.kernels.policy import REFERENCE, decide
+from loom.layers.linear import ALL, LoRALinear
+from loom.layers.quant_linear import QuantLinear, concat_out
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
@@ -109,6 +112,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     quant = model.spec.quant
     tensors = _lazy_tensors(files) if tp is not None and quant is None else \
         checkpoint_tensors(files, quant, ModelLoadError)
+    # quantized linear weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
+    # weight-only GEMM on CPU), else they are dequantised here; module -> its slices' (first row, weight)
+    keep_quantized = quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
+    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     for path, name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
@@ -116,6 +123,12 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         if target is None:
             raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
         if isinstance(tensor, QuantizedWeight):
+            start = _quantized_slice(model, target, pieces) if keep_quantized else None
+            if start is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
+                quantized.setdefault(target[: -len(".weight")], []).append((start, tensor))
+                for index, _ in pieces:
+                    covered[target][index[:covered[target].dim()]] = True
+                continue
             tensor = dequantize(tensor, params[target].dtype)  # into the compute dtype, then loaded as any weight
         shape = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
         for index, src in pieces:
@@ -128,6 +141,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                     raise ModelLoadError(f"{name}: shape {shape} does not match the config's {tuple(dst.shape)}")
                 dst.copy_(part)  # cast on the way (a float32 checkpoint into bf16: per tensor)
             covered[target][index[:covered[target].dim()]] = True
+    for module_name, parts in quantized.items():
+        _quant_linear(model, params, module_name, parts, device)
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:
@@ -141,6 +156,52 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                         "embed_tokens.weight: both are used, untied (as transformers does)", model_dir)
     model.eval()
     return model, cfg
+
+
+def _quantized_slice(model, target: str, pieces: list) -> int | None:
+    """The first output row of a quantized checkpoint tensor in a LoRALinear's weight (a slice of a fused one, or the
+    whole), if the layer can hold it quantized (not tensor-parallel: a shard of packed rows is not read yet)."""
+    if not target.endswith(".weight") or len(pieces) != 1 or pieces[0][1] != ALL:
+        return None
+    module = model.get_submodule(target[: -len(".weight")])
+    if type(module) is not LoRALinear:
+        return None
+    index = pieces[0][0]
+    return 0 if index == ALL else index[0].start
+
+
+def _quant_linear(model, params: dict, module_name: str, parts: list, device) -> None:
+    """Put a QuantLinear in place of the LoRALinear whose slices `parts` are: one weight where they concatenate,
+    else one GEMM per part; a module some of whose slices the checkpoint stores unquantized gets its quantized ones
+    dequantised into its weight (logged)."""
+    base = model.get_submodule(module_name)
+    parts = sorted(parts, key=lambda p: p[0])
+    starts = [0]
+    for _, qw in parts:
+        starts.append(starts[-1] + qw.shape[0])
+    if [s for s, _ in parts] != starts[:-1] or starts[-1] != base.slice_offsets[-1]:
+        log.warning("%s: only some of its slices are quantized in the checkpoint: dequantised at load", module_name)
+        weight = params[f"{module_name}.weight"]
+        for start, qw in parts:
+            weight.data[start:start + qw.shape[0]].copy_(dequantize(qw, weight.dtype))
+        return
+    fused = concat_out([qw for _, qw in parts])
+    if fused is not None:
+        parts = [(0, fused)]
+    else:
+        log.info("%s: its slices' quantization differs (format, groups or act-order): one GEMM per slice",
+                 module_name)
+    parent_name, _, child = module_name.rpartition(".")
+    layer = QuantLinear(base, [(start, _on_device(qw, device)) for start, qw in parts])
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+
+
+def _on_device(qw: QuantizedWeight, device) -> QuantizedWeight:
+    def move(t):
+        return None if t is None else t.to(device)
+
+    return dataclasses.replace(qw, weight=move(qw.weight), scale=move(qw.scale), zero=move(qw.zero),
+                               g_idx=move(qw.g_idx))
 
 
 def _lazy_tensors(files: list[str]):

@@ -259,3 +259,51 @@ def launch_quant_kernels(dtype: torch.dtype, a16: bool = True, w8a8: bool = True
             quant_gemm.quant_gemm_triton(x, qw, bias)
         for qw in fp8s if w8a8 else []:
             fp8_gemm.fp8_gemm_triton(x, qw, bias, capability=(9, 0))
+
+
+@torch.no_grad()
+def quantize_model_dir(src: str, dst: str, scheme: str = "W4A16") -> str:
+    """An HF model folder quantized by compressed-tensors into `dst` (round-to-nearest, min-max scales as
+    make_ct_checkpoint: no calibration data; the projections of every decoder layer, lm_head and the embeddings left
+    as they are), with its tokenizer files. `scheme`: a preset (W4A16: int4 groups of 128, symmetric - halved until
+    they divide every input width; W8A16: int8 per output channel, symmetric; ...). Kept if `dst` already holds a
+    config.json (delete it to remake)."""
+    import shutil
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isfile(os.path.join(dst, "config.json")):
+        return dst
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    qs = preset_name_to_scheme(scheme, ["Linear"])
+    size = qs.weights.group_size
+    if size:  # groups that divide every projection's input width (SmolLM2's 576: 64, not the preset's 128)
+        widths = {m.in_features for n, m in model.named_modules() if n.endswith("proj")}
+        while any(w % size for w in widths):
+            size //= 2
+        qs.weights.group_size = size
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qs}, ignore=["lm_head"]),
+                              show_progress=False)
+    for m in model.modules():
+        s = getattr(m, "quantization_scheme", None)
+        if s is None:
+            continue
+        scale, zp = calculate_qparams(*_minmax(m.weight, s.weights), s.weights)
+        m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    compressor.update_config(tmp)
+    for f in os.listdir(src):
+        if f.startswith(("tokenizer", "special_tokens", "generation_config")) and not os.path.exists(
+                os.path.join(tmp, f)):
+            shutil.copy(os.path.join(src, f), os.path.join(tmp, f))
+    os.replace(tmp, dst)
+    return dst

@@ -1,8 +1,10 @@
-"""Quantized checkpoints loaded as saved (compressed-tensors, GPTQ, AWQ, HF fine-grained FP8), their weights
-dequantised at load: loom's greedy tokens and logprobs equal transformers in float32 running the same checkpoint's
-dequantised weights under the original config. The oracle dequantises without loom: compressed-tensors' own
-decompressors for its format, transformers' own FP8 block dequantisation, and plain torch written from the format
-documentation for GPTQ / AWQ. Llama loads q/k/v and gate/up into its fused projections; Phi-3 stores them fused."""
+"""Quantized checkpoints loaded as saved (compressed-tensors, GPTQ, AWQ, HF fine-grained FP8), their weights kept
+quantized (QuantLinear over the C++ weight-only GEMM, dequantising in registers): loom's greedy tokens and logprobs
+equal transformers in float32 running the same checkpoint's dequantised weights under the original config. The oracle
+dequantises without loom: compressed-tensors' own decompressors for its format, transformers' own FP8 block
+dequantisation, and plain torch written from the format documentation for GPTQ / AWQ. Llama loads q/k/v and gate/up
+into its fused projections (their slices concatenated quantized, or one GEMM a slice where their act-order differs);
+Phi-3 stores them fused."""
 from __future__ import annotations
 
 import json
@@ -23,6 +25,8 @@ from harness.quant_checkpoints import (
 )
 from loom.engine.llm import LLM
 from loom.errors import ConfigError
+from loom.kernels.cpu_quant import PackedQuantWeight
+from loom.layers.quant_linear import QuantLinear
 from loom.models.loader import ModelLoadError, load_hf_config
 from loom.models.quant import pack_int32, unpack_int32
 from loom.models.quant.awq import Awq
@@ -154,17 +158,29 @@ def oracle(float_model, path: str):
     return model
 
 
+def _reference(theirs: dict, name: str) -> torch.Tensor:
+    if name in theirs:
+        return theirs[name]
+    if ".qkv_proj." in name:
+        return torch.cat([theirs[name.replace("qkv_proj", x)] for x in ("q_proj", "k_proj", "v_proj")])
+    return torch.cat([theirs[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")])
+
+
 def _assert_same_weights(llm, hf) -> None:
-    """loom's loaded weights are the oracle's dequantised ones, bit for bit (split q/k/v, gate/up fused here)."""
+    """loom's loaded weights are the oracle's dequantised ones, bit for bit (split q/k/v, gate/up fused here); every
+    projection keeps its weight quantized (a QuantLinear re-laid out for the C++ weight-only GEMM), none dequantised
+    at load."""
     theirs = hf.state_dict()
-    for name, p in llm.engine.runner.model.named_parameters():
-        if name in theirs:
-            ref = theirs[name]
-        elif ".qkv_proj." in name:
-            ref = torch.cat([theirs[name.replace("qkv_proj", x)] for x in ("q_proj", "k_proj", "v_proj")])
-        else:
-            ref = torch.cat([theirs[name.replace("gate_up_proj", x)] for x in ("gate_proj", "up_proj")])
-        assert torch.equal(p.data, ref), name
+    model = llm.engine.runner.model
+    for name, p in model.named_parameters():
+        assert torch.equal(p.data, _reference(theirs, name)), name
+    for i, layer in enumerate(model.model.layers):
+        for mod_name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            mod = layer.get_submodule(mod_name)
+            assert isinstance(mod, QuantLinear), f"layer {i} {mod_name} was dequantised at load"
+            assert all(isinstance(w, PackedQuantWeight) for _, w in mod.parts), f"layer {i} {mod_name}"
+            name = f"model.layers.{i}.{mod_name}.weight"
+            assert torch.equal(mod.dequantized(), _reference(theirs, name)), name
 
 
 @pytest.mark.parametrize("case_id,family,how", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
