@@ -215,7 +215,7 @@ class TritonPythonModel:
         with self._grammar_lock:
             g = self.engine.grammar_compiler
             if g is None:
-                from loom.engine.structured_output import GrammarCompiler
+                from loom.engine.sample.structured_output import GrammarCompiler
                 g = GrammarCompiler(self.encoder, self.engine.runner.vocab_size, sorted(self.engine.eos_token_ids))
                 self.engine.grammar_compiler = g
             return g

@@ -44,8 +44,8 @@ class PackedExperts:
         return E * (PackedWeight.panels_numel(two_i, H) + PackedWeight.panels_numel(*w2_shape[1:]))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        # packed only where kernels/policy.py chose them (engine/cpu.py); traced (ctypes calls cannot be) or given
-        # what the kernel does not take, fused_moe runs (the reference)
+        # packed only where kernels/policy.py chose them (engine/worker/cpu.py); traced (ctypes calls cannot be) or
+        # given what the kernel does not take, fused_moe runs (the reference)
         if torch.compiler.is_compiling() or not cpu_ext.usable(x) or x.dim() != 2:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         x = x.contiguous()

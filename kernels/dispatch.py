@@ -1,7 +1,7 @@
 """Each op's implementation: Triton, loom's C++ CPU kernels or the PyTorch reference, as kernels/policy.py decides for
 the call's tensors (for an engine's tensors, the engine's decision); a C++ kernel only for tensors its module's
 `takes_*` accepts, the reference otherwise. What an engine sets up around the ops (weights packed for the C++ GEMM,
-the C++ layer pass: engine/cpu.py) follows the same decision."""
+the C++ layer pass: engine/worker/cpu.py) follows the same decision."""
 from __future__ import annotations
 
 import torch

@@ -5,7 +5,7 @@
   - LOOM_FORCE_TRITON=1: Triton on CPU too (run by TRITON_INTERPRET=1: the engine parity tests); argmax is torch's.
   - CPU: the C++ kernels where they built, unless LOOM_CPU_KERNELS=0; the references otherwise. By dtype:
     float32: every C++ kernel; its linear layers' weights packed for the C++ GEMM (Triton forced or not) and, its
-      forward not compiled, each decoder layer run as one C++ call (engine/cpu.py sets both up).
+      forward not compiled, each decoder layer run as one C++ call (engine/worker/cpu.py sets both up).
     bfloat16: the C++ norms, rotary, activations, KV store and paged attention (bfloat16 storage, float32 math; the
       cache read in place); its linear layers run oneDNN's prepacked bfloat16 GEMM (weights re-laid out once at
       start; AMX / avx512_bf16 where the CPU has them), where torch's oneDNN takes bfloat16 on this CPU and the
@@ -50,7 +50,7 @@ class KernelPath:
 
     @property
     def packed(self) -> bool:
-        """Linear layers run over weights packed at start (engine/cpu.py apply_path)."""
+        """Linear layers run over weights packed at start (engine/worker/cpu.py apply_path)."""
         return bool(self.gemm)
 
     @property

@@ -56,7 +56,7 @@ def _timed(fn) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from loom.engine.cpu import keep_freed_memory, set_compute_threads, tune_mkl_for_amd
+    from loom.engine.worker.cpu import keep_freed_memory, set_compute_threads, tune_mkl_for_amd
     from loom.kernels.cpu_linear import PackedWeight
     from loom.layers.forward_context import LoraBatchMeta
 

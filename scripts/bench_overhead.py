@@ -215,11 +215,11 @@ def time_fn(fn, reps: int) -> float:
 
 def measure_sampler(num_seqs: int, args) -> dict:
     """Microseconds per call on [num_seqs, V] logits: the engine's greedy batch without logprobs vs argmax."""
-    from loom.engine.sampler import Sampler
+    from loom.engine.core.sequence import Sequence
+    from loom.engine.sample.sampler import Sampler
+    from loom.engine.sample.sampling_state import SamplingState
     from loom.engine.sampling_params import SamplingParams
-    from loom.engine.sampling_state import SamplingState
-    from loom.engine.sequence import Sequence
-    from loom.engine.step_buffers import StepBuffers
+    from loom.engine.worker.step_buffers import StepBuffers
 
     V = args.sampler_vocab
     dev = torch.device(args.device)

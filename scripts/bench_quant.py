@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "W8A16-f32", "W8A16-bf16", "W4A16-f32",
                                                      "W4A16-bf16"])
     args = ap.parse_args()
-    from loom.engine.cpu import tune_mkl_for_amd
+    from loom.engine.worker.cpu import tune_mkl_for_amd
 
     tune_mkl_for_amd()
     from harness.quant_checkpoints import quantize_model_dir

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--kv-bytes", type=int, default=256 << 20, help="KV budget per rank (CPU; 0 on CUDA: profiled)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    from loom.engine.cpu import tune_mkl_for_amd
+    from loom.engine.worker.cpu import tune_mkl_for_amd
 
     tune_mkl_for_amd()
     rows = [run(args.model, tp, args) for tp in args.tp]

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("LOOM_TEST_DEVICE", "cpu").strip().lower() in ("", "cpu"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loom.engine.cpu import tune_mkl_for_amd  # noqa: E402
+from loom.engine.worker.cpu import tune_mkl_for_amd  # noqa: E402
 
 tune_mkl_for_amd()  # before torch loads MKL (the HF oracles run in this process too)
 

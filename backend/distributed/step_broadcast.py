@@ -1,7 +1,7 @@
 """A step's inputs from rank 0 to the other ranks: a fixed header of sizes on the host group, then one int64
 payload on the device group.
 
-Rank 0 prepares the step as without tensor parallelism (loom.engine.model_runner) and sends what its forward
+Rank 0 prepares the step as without tensor parallelism (loom.engine.worker.model_runner) and sends what its forward
 context holds - input ids, positions, slot mapping, logits rows, the decode and prefill attention metadata - and
 the KV block copies queued since the last step (n > 1 forks copy a partly filled block: every rank copies its own
 heads). On CUDA the payload is built and sent on the device (NCCL), after the input ids are complete there (async

@@ -58,7 +58,7 @@ class EngineConfig:
     adapter_sources: list[str] = field(default_factory=list)
     adapter_cache_dir: str = ""
     adapter_cache_bytes: int = 8 << 30
-    # Adapter-aware admission (loom.engine.scheduler): queued requests whose adapter holds device rows go before
+    # Adapter-aware admission (loom.engine.core.scheduler): queued requests whose adapter holds device rows go before
     # those that need rows placed, but one that has waited this many steps goes before everything queued after it.
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32

@@ -20,26 +20,26 @@ import torch
 
 from loom.distributed.parallel_state import RankFailure
 from loom.distributed.ranks import Ranks
-from loom.engine.block_manager import BlockManager
 from loom.engine.config import EngineConfig
-from loom.engine.cpu import tune_mkl_for_amd
-from loom.engine.faults import is_sticky_device_error
-from loom.engine.logits_processors import build_constraints
-from loom.engine.model_runner import ModelRunner, TokenFill
-from loom.engine.output_processor import (
+from loom.engine.core.block_manager import BlockManager
+from loom.engine.core.output_processor import (
     LaunchedStep,
     OutputProcessor,
     add_prompt_logprobs,
     final_output,
     prompt_logprob_rows,
 )
+from loom.engine.core.scheduler import ScheduledBatch, Scheduler
+from loom.engine.core.sequence import Sequence, SequenceStatus
+from loom.engine.faults import is_sticky_device_error
 from loom.engine.outputs import EngineStats, SpecDecodingStats, StepOutput
-from loom.engine.sampler import Sampler, SamplerOutput
+from loom.engine.sample.logits_processors import build_constraints
+from loom.engine.sample.sampler import Sampler, SamplerOutput
+from loom.engine.sample.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.sampling_params import MAX_N, SamplingParams
-from loom.engine.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
-from loom.engine.scheduler import ScheduledBatch, Scheduler
-from loom.engine.sequence import Sequence, SequenceStatus
 from loom.engine.spec_decode.decoder import SpecDecoder
+from loom.engine.worker.cpu import tune_mkl_for_amd
+from loom.engine.worker.model_runner import ModelRunner, TokenFill
 from loom.errors import RequestError
 from loom.lora.adapter_registry import AdapterRegistry
 
@@ -95,7 +95,7 @@ class LLMEngine:
         self._inflight: LaunchedStep | None = None  # async scheduling: the step still running on the device
         self._num_adapter_seqs = 0  # unfinished sequences with an adapter (0: no step builds LoRA metadata)
         self._num_plp_seqs = 0  # unfinished sequences asking for prompt logprobs
-        # loom.engine.structured_output.GrammarCompiler, made at the first structured request (the serving layer
+        # loom.engine.sample.structured_output.GrammarCompiler, made at the first structured request (the serving layer
         # sets it itself, made with its own tokenizer copy, and compiles in its own thread)
         self.grammar_compiler = None
         # Unfinished sequences by key: the request id for completion 0, "<request id>#<index>" for the others.
@@ -180,7 +180,7 @@ class LLMEngine:
         if self.grammar_compiler is None:
             if self.tokenizer is None:
                 raise RequestError("structured_outputs", "needs a tokenizer (this engine has none)")
-            from loom.engine.structured_output import GrammarCompiler
+            from loom.engine.sample.structured_output import GrammarCompiler
 
             self.grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids))
         return self.grammar_compiler

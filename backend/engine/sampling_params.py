@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from loom.engine.structured_output import StructuredOutputsParams
+from loom.engine.sample.structured_output import StructuredOutputsParams
 from loom.errors import RequestError
 
 # Bounds a production server wants to enforce; the Triton glue may tighten them from config.pbtxt.

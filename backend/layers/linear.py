@@ -35,7 +35,7 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
-        # set by the engine where its kernel path packs weights (engine/cpu.py): a GEMM over a packed copy of the
+        # set by the engine where its kernel path packs weights (engine/worker/cpu.py): a GEMM over a packed copy of the
         # weight, dense(x) and dense.with_lora(...) (kernels/cpu_linear.PackedWeight)
         self.dense = None
 

@@ -5,7 +5,7 @@ The loader (loom.models.loader) puts one in place of a LoRALinear once it has re
 QuantizedWeight: the slices concatenated along the output dimension into one (`concat_out`: the same format, groups
 and act-order), else kept as several parts, each its own GEMM into its columns of the output. Its forward is
 kernels/dispatch.quant_linear per part (Triton's weight-only kernel on CUDA, the C++ weight-only GEMM on CPU over the
-weights re-laid out once at start by engine/cpu.py, the reference dequantize + F.linear otherwise), then the LoRA
+weights re-laid out once at start by engine/worker/cpu.py, the reference dequantize + F.linear otherwise), then the LoRA
 deltas as LoRALinear adds them (after the base GEMM, on the PyTorch / C++ LoRA path: there is no packed float `dense`
 to fuse them into).
 """
@@ -58,7 +58,7 @@ class QuantLinear(LoRALinear):
                           for _, w in self.parts])
 
     def map_parts(self, fn) -> None:
-        """Replace each part's weight by fn(weight) (engine/cpu.py: the CPU re-layout)."""
+        """Replace each part's weight by fn(weight) (engine/worker/cpu.py: the CPU re-layout)."""
         self.parts = [(start, fn(w)) for start, w in self.parts]
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 """On CPU, each decoder layer of the eager forward in one C++ call (kernels/cpu_layer.py).
 
 The engine sets a LayerPass as the decoder's `layer_pass` where its kernel path says so (kernels/policy.py: the C++
-kernels, packed weights, an eager forward; engine/cpu.py sets it). A layer
+kernels, packed weights, an eager forward; engine/worker/cpu.py sets it). A layer
 takes it when it is a Llama-class or Gemma decoder layer (Llama, Mistral, Qwen2, Qwen3's per-head q/k norms, Phi-3's
 partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels read; in a MoE
 layer (Mixtral, Qwen3-MoE) the call stops at the MLP's input and the block runs after it. Every step the kernels
@@ -102,8 +102,8 @@ class LayerPass:
         self._ctx = None  # the forward context the step state below was made for
         self._steps: dict[tuple, Optional[StepArgs]] = {}  # by the layer's dims (dense and MoE layers differ)
         self._buffers: tuple = ()
-        # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse (engine/cpu.py);
-        # allocated every step it would be mapped and zeroed afresh
+        # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse
+        # (engine/worker/cpu.py); allocated every step it would be mapped and zeroed afresh
         self._ws = torch.empty(0)
         self._row_buf = torch.empty(0)
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from loom.engine.sample.structured_output import StructuredOutputsParams
 from loom.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS, SamplingParams
-from loom.engine.structured_output import StructuredOutputsParams
 from loom.errors import RequestError
 
 # Our SamplingParams field -> converter kind. Names follow vllm's SamplingParams.

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field, fields
 
 from loom.engine.config import EngineConfig
-from loom.engine.cpu import serving_threads
 from loom.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_STRING_CHARS
+from loom.engine.worker.cpu import serving_threads
 from loom.errors import ConfigError, RequestError
 from loom.serving.request_parser import Limits, to_bool, to_float, to_int
 

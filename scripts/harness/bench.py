@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from loom.engine.cpu import tune_mkl_for_amd
+from loom.engine.worker.cpu import tune_mkl_for_amd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

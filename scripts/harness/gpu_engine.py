@@ -108,7 +108,7 @@ def _engine(path, dev, dtype, **kw):
 
 
 def warmup_metrics(eng) -> dict:
-    """What the engine's start-up warm-up did (loom.engine.warmup.WarmupReport), and the graphs it holds."""
+    """What the engine's start-up warm-up did (loom.engine.worker.warmup.WarmupReport), and the graphs it holds."""
     w = eng.runner.warmup
     g = eng.runner.graphs
     out = {"graphs": len(g._graphs) if g is not None else 0, "graph_buckets": g.buckets if g is not None else []}

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.sample.sampler import Sampler, SamplingBatch
 from loom.engine.sampling_params import SamplingParams as SP
 
 PARAMS = [

@@ -251,7 +251,7 @@ def popularity_weights(spec: str, n: int) -> list[float]:
 
 
 def admission_bound(arrival: list[int], first: list[int], last: list[int], w: int) -> list[int]:
-    """The queue time (steps) loom.engine.scheduler's rule guarantees each request r, given when every request was
+    """The queue time (steps) loom.engine.core.scheduler's rule guarantees each request r, given when every request was
     queued, got its first token and ended (steps; index order = queue order): from step a_r + W on, only requests
     queued before r or admitted before that step can hold it back, so r is admitted at a_r + W or the step after the
     last of those ends, whichever is later."""

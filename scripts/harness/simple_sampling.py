@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from loom.engine.output_processor import LaunchedStep
-from loom.engine.sampler import SamplerOutput, SamplingBatch
+from loom.engine.core.output_processor import LaunchedStep
+from loom.engine.sample.sampler import SamplerOutput, SamplingBatch
 
 
 def simple_sample(engine, launched: LaunchedStep, logits: torch.Tensor) -> SamplerOutput:

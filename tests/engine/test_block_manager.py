@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 import tracemalloc
 
-from loom.engine.block_manager import BlockManager
+from loom.engine.core.block_manager import BlockManager
+from loom.engine.core.sequence import Sequence
 from loom.engine.sampling_params import SamplingParams
-from loom.engine.sequence import Sequence
 
 
 def _seq(tokens, rid="r"):

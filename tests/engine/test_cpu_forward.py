@@ -14,10 +14,10 @@ import torch
 
 from harness.hf_models import random_prompts
 from harness.lora import make_peft_adapter, make_tiny_llama
-from loom.engine import cpu
-from loom.engine.compiled_forward import CompiledForward, EagerForward
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
+from loom.engine.worker import cpu
+from loom.engine.worker.compiled_forward import CompiledForward, EagerForward
 from loom.layers.linear import LoRALinear
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

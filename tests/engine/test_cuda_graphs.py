@@ -8,9 +8,9 @@ import torch
 
 from harness.hf_models import assert_no_leak, hf_greedy, make_hf_model, random_prompts
 from harness.lora import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config
-from loom.engine.cuda_graphs import graph_batch_sizes
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
+from loom.engine.worker.cuda_graphs import graph_batch_sizes
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -22,8 +22,8 @@ from harness.lora import make_peft_adapter
 from harness.simple_sampling import use_simple_sampling
 from loom.engine.config import EngineConfig
 from loom.engine.llm_engine import PLACEHOLDER, LLMEngine
+from loom.engine.sample.structured_output import StructuredOutputsParams as SO
 from loom.engine.sampling_params import SamplingParams as SP
-from loom.engine.structured_output import StructuredOutputsParams as SO
 from loom.lora import LoraModelSpec, LoraPool
 
 VOCAB = 320

@@ -1,4 +1,4 @@
-"""KV sizing on CUDA (loom.engine.memory_profile), its logic run on CPU with the CUDA memory counters faked.
+"""KV sizing on CUDA (loom.engine.worker.memory_profile), its logic run on CPU with the CUDA memory counters faked.
 
 - The budget's arithmetic: the profile forwards run (a prefill of max_num_batched_tokens split at max_model_len,
   the sampler's working set, the forward a capture of the largest graph bucket records) against a one-block
@@ -19,13 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harness.hf_models import make_hf_model
-from loom.engine import memory_profile
-from loom.engine.compiled_forward import logits_of
 from loom.engine.config import EngineConfig
-from loom.engine.cuda_graphs import DecodeGraphs
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.memory_profile import MARGIN, kv_cache_budget
-from loom.engine.warmup import fake_batch
+from loom.engine.worker import memory_profile
+from loom.engine.worker.compiled_forward import logits_of
+from loom.engine.worker.cuda_graphs import DecodeGraphs
+from loom.engine.worker.memory_profile import MARGIN, kv_cache_budget
+from loom.engine.worker.warmup import fake_batch
 from loom.layers.forward_context import forward_context
 
 GIB = 1 << 30

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from loom.engine.sampler import (
+from loom.engine.sample.sampler import (
     Sampler,
     SamplingBatch,
     apply_min_p,

@@ -1,4 +1,4 @@
-"""The persistent sampling state (loom.engine.sampling_state) against the simple path (SamplingBatch.build from
+"""The persistent sampling state (loom.engine.sample.sampling_state) against the simple path (SamplingBatch.build from
 the sequences' lists), token for token, over a population of sequences that join, sample and leave."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import random
 import numpy as np
 import torch
 
-from loom.engine.logits_processors import build_constraints
-from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.core.sequence import Sequence
+from loom.engine.sample.logits_processors import build_constraints
+from loom.engine.sample.sampler import Sampler, SamplingBatch
+from loom.engine.sample.sampling_state import GREEDY, LOGPROBS, SamplingState
 from loom.engine.sampling_params import SamplingParams as SP
-from loom.engine.sampling_state import GREEDY, LOGPROBS, SamplingState
-from loom.engine.sequence import Sequence
-from loom.engine.step_buffers import StepBuffers
+from loom.engine.worker.step_buffers import StepBuffers
 
 V = 97
 EOS = (2,)

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from loom.engine.step_buffers import StepBuffers
+from loom.engine.worker.step_buffers import StepBuffers
 
 
 def test_device_views_follow_the_shape_asked_and_alias_the_buffer():

@@ -12,10 +12,10 @@ import torch
 
 from harness.hf_models import assert_no_leak, make_hf_model, random_prompts
 from loom.engine.llm import LLM
-from loom.engine.logits_processors import bad_words_token_ids, banned_by_bad_words, build_constraints
-from loom.engine.sampler import Sampler, SamplingBatch
+from loom.engine.sample.logits_processors import bad_words_token_ids, banned_by_bad_words, build_constraints
+from loom.engine.sample.sampler import Sampler, SamplingBatch
+from loom.engine.sample.structured_output import StructuredOutputsParams as SO
 from loom.engine.sampling_params import SamplingParams as SP
-from loom.engine.structured_output import StructuredOutputsParams as SO
 from loom.errors import RequestError
 from tests.oracle import assert_float32_close, float32_error_scale, log_softmax_32_64
 
@@ -124,7 +124,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def grammars(tokenizer):
-    from loom.engine.structured_output import GrammarCompiler
+    from loom.engine.sample.structured_output import GrammarCompiler
     return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 

@@ -29,7 +29,7 @@ def test_warmup_covers_every_variant_serving_launches():
 
 def test_warmup_plan_reaches_every_tile_class():
     """The plan's sizes: powers of two up to each limit and the limit (every class (a, 2a] holds one)."""
-    from loom.engine.warmup import lora_classes, powers_up_to
+    from loom.engine.worker.warmup import lora_classes, powers_up_to
     from loom.kernels.lora import block_r_for
 
     assert powers_up_to(2048, 2) == [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]

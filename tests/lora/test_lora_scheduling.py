@@ -1,5 +1,6 @@
-"""Adapter-aware admission (EngineConfig.max_lora_wait_steps, loom.engine.scheduler) and prefetch (a queued request's
-adapter moves disk -> host -> device before it is admitted), step by step through the engine on the tiny Llama.
+"""Adapter-aware admission (EngineConfig.max_lora_wait_steps, loom.engine.core.scheduler) and prefetch (a queued
+request's adapter moves disk -> host -> device before it is admitted), step by step through the engine on the tiny
+Llama.
 
 Queue time is counted in steps: a request added before step s whose first token comes in step s waited 0 steps.
 Adapters are read into host memory before a trace starts, so every trace is deterministic (no disk timing)."""

@@ -123,7 +123,7 @@ def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
     for t in (1, 2):  # one engine per thread count, each with its own row and targets
         assert f"TARGET loom ({t}t): one adapter" in p.stdout, p.stdout
     looms = json.loads(out.read_text())["loom"]
-    from loom.engine.cpu import available_cores
+    from loom.engine.worker.cpu import available_cores
 
     assert [looms[t]["torch_threads"] for t in ("1", "2")] == [1, min(2, available_cores())]
     assert all(loom["stream_gb_s"] > 0 for loom in looms.values())

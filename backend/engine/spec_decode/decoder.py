@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loom.engine.core.sequence import Sequence, SequenceStatus
 from loom.engine.outputs import SpecDecodingStats
-from loom.engine.sampler import Sampler, SamplingBatch
-from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.sample.sampler import Sampler, SamplingBatch
 from loom.engine.spec_decode.config import SpeculativeConfig
 from loom.engine.spec_decode.ngram import propose_ngram
 from loom.engine.spec_decode.verifier import verify_rows
@@ -67,7 +67,7 @@ class SpecDecoder:
         engine.async_scheduling = False
         return spec
 
-    # ---- scheduling (loom.engine.scheduler.Drafter) ------------------------------------------------
+    # ---- scheduling (loom.engine.core.scheduler.Drafter) ------------------------------------------------
     def active(self, running: list[Sequence]) -> bool:
         limit = self.config.disable_by_batch_size
         if not limit or len(running) <= limit:

@@ -2,7 +2,7 @@
 
 A sequence with proposals d_1..d_k has k + 1 rows: row j holds the target's logits after the sequence's tokens
 and d_1..d_j. Row j < k tests d_{j+1}; row k only supplies the bonus token. Every row's distribution is the one
-the sampler would draw from at that position (loom.engine.sampler.Sampler.filtered: processors, min_tokens,
+the sampler would draw from at that position (loom.engine.sample.sampler.Sampler.filtered: processors, min_tokens,
 temperature, top-k / top-p / min-p), so:
 
 * greedy rows accept d_{j+1} iff it is the argmax; the argmax is the token when it is not (identical to the
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loom.engine.sampler import Sampler, SamplingBatch, raw_logprobs
-from loom.engine.sampling_rng import counter_uniform, mix64, sample_from_logits
+from loom.engine.sample.sampler import Sampler, SamplingBatch, raw_logprobs
+from loom.engine.sample.sampling_rng import counter_uniform, mix64, sample_from_logits
 from loom.kernels import argmax
 
 ACCEPT_STREAM = 0x5DEECE66D  # xor'ed into the mixed seed: the acceptance uniforms' own stream

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.triton_client import make_inputs
-from loom.engine.logits_processors import bad_words_token_ids
+from loom.engine.sample.logits_processors import bad_words_token_ids
 from tests.e2e.compat.conftest import Client, streamed_texts, texts
 
 PROMPT = "The capital of France is"

@@ -1,9 +1,9 @@
 """The sampler's logits filters: penalties, top-k / top-p and min-p, each batched over rows of a [R, V] tensor.
 
 Each works on a float32 [R, V] tensor and per-row parameters [R] and returns a new tensor (the input is not
-modified); the batch sampler (loom.engine.sampler) picks the rows each applies to and the order (penalties on the
+modified); the batch sampler (loom.engine.sample.sampler) picks the rows each applies to and the order (penalties on the
 raw logits, then temperature, top-k, top-p, min-p).  The request processors (allowed_token_ids, bad_words,
-logit_bias, the grammar mask) are loom.engine.logits_processors'.
+logit_bias, the grammar mask) are loom.engine.sample.logits_processors'.
 
 Repetition penalty (HF style, over prompt + output tokens): positive logits are divided by it, negative ones
 multiplied; then presence / frequency penalties (OpenAI style, output tokens only:

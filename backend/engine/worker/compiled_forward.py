@@ -1,7 +1,7 @@
 """The model's forward + logits as one callable for the model runner: eager, or compiled with torch.compile.
 
 Eager: the model as written; on CPU float32 its linear layers run the C++ GEMM over packed weights
-(kernels/cpu_linear.py, set up by engine/cpu.py) and attention / LoRA the in-place C++ kernels
+(kernels/cpu_linear.py, set up by engine/worker/cpu.py) and attention / LoRA the in-place C++ kernels
 (kernels/cpu_*.py). With LOOM_CPU_KERNELS=0 it is the PyTorch reference path (F.linear, SDPA).
 
 Compiled (`cpu_compile`, CPU only): inductor over the whole forward and the logits - the elementwise work
@@ -56,8 +56,8 @@ class EagerForward:
 
 
 def build_forward(runner) -> EagerForward | CompiledForward:
-    """The runner's forward (the CPU set-up it runs on is the runner's, engine/cpu.py); with cpu_compile it compiles
-    in warm_up() (called once the LoRA pools are attached) or else in the first step."""
+    """The runner's forward (the CPU set-up it runs on is the runner's, engine/worker/cpu.py); with cpu_compile it
+    compiles in warm_up() (called once the LoRA pools are attached) or else in the first step."""
     if runner.device.type == "cpu" and runner.config.cpu_compile:
         return CompiledForward(runner.model)
     return EagerForward(runner.model)

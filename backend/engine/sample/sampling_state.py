@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loom.engine.logits_processors import ProcessorBatch
-from loom.engine.sampler import SAMPLING_EPS, SamplingBatch
-from loom.engine.step_buffers import StepBuffers
+from loom.engine.sample.logits_processors import ProcessorBatch
+from loom.engine.sample.sampler import SAMPLING_EPS, SamplingBatch
+from loom.engine.worker.step_buffers import StepBuffers
 
 # Row flags
 GREEDY = 1

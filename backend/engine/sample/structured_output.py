@@ -6,7 +6,7 @@ is tried when the text is not valid EBNF). :class:`GrammarCompiler` turns it int
 ``CompiledGrammar`` once (cached by the constraint's text; thread-safe, so the serving layer can compile in
 Triton's execute thread and the engine loop then finds it cached); each sequence gets its own
 ``GrammarMatcher`` that follows the tokens it accepts. The sampler applies all matchers' masks in one batched
-call (:mod:`loom.engine.logits_processors`).
+call (:mod:`loom.engine.sample.logits_processors`).
 """
 from __future__ import annotations
 

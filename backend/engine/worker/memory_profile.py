@@ -5,8 +5,8 @@ With the weights loaded, three runs measure the peaks the cache must leave room 
 stand-in cache (every layer shares it; every table points at block 0, where the K/V are stored):
 - a full forward of max_num_batched_tokens prompt tokens (the largest prefill step), with its logits;
 - the sampler's working set at max_num_seqs rows (logits, softmax, a full sort for top-p/top-k);
-- with CUDA graphs, the forward a capture of the largest bucket records (loom.engine.cuda_graphs), on the runner's
-  capture stream, after one unmeasured run there that makes that stream's cuBLAS workspaces (kept for the
+- with CUDA graphs, the forward a capture of the largest bucket records (loom.engine.worker.cuda_graphs), on the
+  runner's capture stream, after one unmeasured run there that makes that stream's cuBLAS workspaces (kept for the
   process's life: in the memory in use below, like the step buffers and the graphs' output rows).
 What capture keeps is then known by construction (see cuda_graphs): one shared pool as large as that forward's
 peak, since no capture keeps a tensor of its own and the largest is captured first; no logits (lm_head runs
@@ -23,8 +23,8 @@ import logging
 
 import torch
 
-from loom.engine.compiled_forward import logits_of
-from loom.engine.warmup import fake_batch
+from loom.engine.worker.compiled_forward import logits_of
+from loom.engine.worker.warmup import fake_batch
 from loom.layers.forward_context import forward_context
 
 log = logging.getLogger("loom")
@@ -74,7 +74,7 @@ def kv_cache_budget(runner) -> int:
         sampling = _peak(sampler)
         graphs = 0
         if cfg.cuda_graphs:
-            from loom.engine.cuda_graphs import DecodeGraphs
+            from loom.engine.worker.cuda_graphs import DecodeGraphs
 
             dg = DecodeGraphs(runner, capture=False)
             with torch.cuda.stream(runner.capture_stream()):

@@ -38,7 +38,7 @@ class Sequence:
     ever_scheduled: bool = False
     max_total_tokens: int = 1 << 62  # prompt + output cap (max_model_len, KV capacity)
     index: int = 0  # which of the request's n completions (n > 1: all share the prompt's KV blocks)
-    constraints: Any = None  # loom.engine.logits_processors.RequestConstraints (shared by the n completions)
+    constraints: Any = None  # loom.engine.sample.logits_processors.RequestConstraints (shared by the n completions)
     matcher: Any = None  # this sequence's grammar matcher (structured outputs)
     prompt_logprobs: list | None = None  # entries computed so far (params.prompt_logprobs)
     sampling_row: int = -1  # its row in the engine's SamplingState once it sampled (-1: none)

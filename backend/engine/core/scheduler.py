@@ -28,8 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from loom.engine.block_manager import BlockManager
-from loom.engine.sequence import Sequence, SequenceStatus
+from loom.engine.core.block_manager import BlockManager
+from loom.engine.core.sequence import Sequence, SequenceStatus
 
 
 class Drafter(Protocol):

@@ -4,11 +4,11 @@ A decode-only step of B sequences runs in the smallest bucket b >= B (1, 2, 4, 8
 rows are staged into the runner's persistent buffers padded to b rows (token 0 at position 0, slot -1 so nothing
 is stored, context length 0 so attention returns zeros), the graph captured for b replays the model up to the
 final hidden states, which it writes into the first b rows of the runner's graph_hidden, and lm_head then runs
-eagerly on the sampled rows only (loom.engine.compiled_forward.logits_of, as the eager forward): padded rows
+eagerly on the sampled rows only (loom.engine.worker.compiled_forward.logits_of, as the eager forward): padded rows
 never get vocabulary-wide work. Every kernel argument of a captured launch is fixed: block tables as wide as
 max_model_len, the decode split count chosen from b, LoRA tiles from b and max_lora_rank.
 
-Memory (what loom.engine.memory_profile must leave room for, and counts exactly): every graph is warmed up and
+Memory (what loom.engine.worker.memory_profile must leave room for, and counts exactly): every graph is warmed up and
 captured on the runner's one capture stream, into one shared pool, largest bucket first. A capture keeps no
 tensor of its own - its output goes to graph_hidden, allocated before KV sizing - so what a capture frees is
 free in the pool for the next one, and the pool stays at one forward of the largest bucket however many graphs
@@ -34,7 +34,7 @@ import logging
 import numpy as np
 import torch
 
-from loom.engine.compiled_forward import logits_of
+from loom.engine.worker.compiled_forward import logits_of
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 
 log = logging.getLogger("loom")

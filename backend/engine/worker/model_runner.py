@@ -1,11 +1,11 @@
 """Owns the model and the KV cache; flattens a scheduled step into one batch and runs it.
 
 Input preparation is vectorized with numpy over the step's tokens, written into persistent buffers
-(loom.engine.step_buffers: pinned and copied once per dtype on CUDA); the only per-sequence Python work is
+(loom.engine.worker.step_buffers: pinned and copied once per dtype on CUDA); the only per-sequence Python work is
 slicing each sequence's new token ids and block table. Block tables are as wide as max_model_len (so kernel
 arguments never change with the step) and hold stale ids past each sequence's blocks, which are never read.
 
-Decode-only steps replay CUDA graphs (loom.engine.cuda_graphs) when they are on; prefills, mixed steps and
+Decode-only steps replay CUDA graphs (loom.engine.worker.cuda_graphs) when they are on; prefills, mixed steps and
 anything else run eagerly here, which is also the reference the graph path is tested against.
 
 With tensor parallelism (`tp`, loom.distributed) every rank runs this runner over its shard: rank 0 (the engine's)
@@ -24,10 +24,10 @@ import torch
 
 from loom.device import bind_thread, resolve_device
 from loom.distributed.step_broadcast import send_step
-from loom.engine import cpu
-from loom.engine.compiled_forward import build_forward
 from loom.engine.config import EngineConfig
-from loom.engine.scheduler import ScheduledBatch
+from loom.engine.core.scheduler import ScheduledBatch
+from loom.engine.worker import cpu
+from loom.engine.worker.compiled_forward import build_forward
 from loom.kernels.cpu_memory import large_zeros
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
@@ -75,8 +75,8 @@ class ModelRunner:
             if config.cuda_graphs else None
         self._capture_stream = None
         self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
-        self.graphs = None  # loom.engine.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
-        self.warmup = None  # loom.engine.warmup.WarmupReport once warm_up() ran
+        self.graphs = None  # loom.engine.worker.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
+        self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
@@ -94,7 +94,7 @@ class ModelRunner:
         self.forward = build_forward(self)  # eager, or compiled on CPU (cpu_compile)
 
     def _make_buffers(self):
-        from loom.engine.step_buffers import StepBuffers
+        from loom.engine.worker.step_buffers import StepBuffers
 
         t, s, lb = self.max_num_tokens, self.max_num_seqs, self.graph_max_batch()
         i64, i32 = torch.int64, torch.int32
@@ -132,7 +132,7 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if not budget:
             if self.device.type == "cuda":
-                from loom.engine.memory_profile import kv_cache_budget
+                from loom.engine.worker.memory_profile import kv_cache_budget
 
                 budget = kv_cache_budget(self)
             else:
@@ -149,7 +149,7 @@ class ModelRunner:
         """Compile every Triton variant this configuration can launch and capture the decode graphs, so that
         serving never compiles; a compiled CPU forward (cpu_compile) compiles here. Call once the model is final
         (the adapter registry has attached its pools)."""
-        from loom.engine.warmup import warm_up
+        from loom.engine.worker.warmup import warm_up
 
         self.forward.warm_up(self.block_size)
         self.warmup = warm_up(self)
@@ -157,7 +157,7 @@ class ModelRunner:
     def enable_graph_emulation(self) -> None:
         """CPU (tests): decode steps take the graph path - static buffers, batch-size buckets, padded rows - and
         run it eagerly where CUDA would replay a captured graph."""
-        from loom.engine.cuda_graphs import DecodeGraphs
+        from loom.engine.worker.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, capture=False)
 

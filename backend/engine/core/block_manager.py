@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from loom.engine.sequence import Sequence
+from loom.engine.core.sequence import Sequence
 
 
 class BlockInfo(NamedTuple):

@@ -14,7 +14,7 @@ preparation and forward:
 - mixed steps (a prefill part at an odd row offset);
 - with LoRA pools attached: steps whose adapter groups reach every token-tile and rank-tile class up to
   max_lora_rank, and the shrink kernel with and without a split reduction for every LoRA module shape;
-- with CUDA graphs: the capture of every batch-size bucket (loom.engine.cuda_graphs).
+- with CUDA graphs: the capture of every batch-size bucket (loom.engine.worker.cuda_graphs).
 The synthetic steps read and write block 0 of the (still empty) KV cache. Under TRITON_INTERPRET or on CPU
 nothing is compiled and nothing runs. tests/engine/test_warmup.py checks the claim: it records each launch's
 specialisation key for sm_90 and compares serving's keys with the warm-up's.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loom.engine.compiled_forward import logits_of
-from loom.engine.scheduler import ScheduledBatch
+from loom.engine.core.scheduler import ScheduledBatch
+from loom.engine.worker.compiled_forward import logits_of
 from loom.kernels.lora import block_r_for, lora_shrink_triton
 from loom.kernels.policy import TRITON
 from loom.layers.forward_context import LoraBatchMeta, forward_context
@@ -174,7 +174,7 @@ def warm_up(runner) -> WarmupReport:
     try:
         rep = run_steps(runner)
         if runner.config.cuda_graphs:  # off CUDA (forced Triton: the coverage test) the same path, not captured
-            from loom.engine.cuda_graphs import DecodeGraphs
+            from loom.engine.worker.cuda_graphs import DecodeGraphs
 
             runner.graphs = DecodeGraphs(runner, capture=runner.device.type == "cuda")
             rep.graphs = runner.graphs.capture_all()

@@ -18,8 +18,8 @@ Order of operations for a row (matches vLLM / HF):
 3. temperature 0 (below 1e-5): greedy, the argmax of the logits after 1-2.  Otherwise:
    divide by the temperature, then top-k, top-p, min-p, then draw.
 
-The filters (penalties, top-k / top-p, min-p) are loom.engine.sampling_filters'; the random draw (a counter-based
-uniform per row from its seed and step, then an inverse-CDF pick) is loom.engine.sampling_rng's.  Their public
+The filters (penalties, top-k / top-p, min-p) are loom.engine.sample.sampling_filters'; the random draw (a counter-based
+uniform per row from its seed and step, then an inverse-CDF pick) is loom.engine.sample.sampling_rng's.  Their public
 names are importable from here too.
 
 Logprobs: the returned logprobs are always those of the *raw* model distribution,
@@ -40,20 +40,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loom.engine.logits_processors import ProcessorBatch, RequestConstraints
-from loom.engine.sampling_filters import (
+from loom.engine.sample.logits_processors import ProcessorBatch, RequestConstraints
+from loom.engine.sample.sampling_filters import (
     TOP_P_CANDIDATES,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     token_counts,
 )
+from loom.engine.sample.sampling_rng import CDF_BLOCK, GOLDEN, counter_uniform, mix64, row_keys, sample_from_logits
 from loom.engine.sampling_params import SamplingParams
-from loom.engine.sampling_rng import CDF_BLOCK, GOLDEN, counter_uniform, mix64, row_keys, sample_from_logits
 from loom.kernels import argmax
 
 __all__ = ["SAMPLING_EPS", "Sampler", "SamplerOutput", "SamplingBatch", "raw_logprobs",
-           # re-exported from loom.engine.sampling_filters and loom.engine.sampling_rng
+           # re-exported from loom.engine.sample.sampling_filters and loom.engine.sample.sampling_rng
            "TOP_P_CANDIDATES", "apply_min_p", "apply_penalties", "apply_top_k_top_p", "token_counts",
            "CDF_BLOCK", "GOLDEN", "counter_uniform", "mix64", "row_keys", "sample_from_logits"]
 
@@ -122,7 +122,7 @@ class SamplingBatch:
     min_tokens_cols: Tensor | None  # [M] int64
     # logprobs
     max_logprobs: int  # K = max requested n (0: only the sampled token's logprob)
-    # grammar, allowed_token_ids, bad_words, logit_bias (loom.engine.logits_processors); None: no row uses them
+    # grammar, allowed_token_ids, bad_words, logit_bias (loom.engine.sample.logits_processors); None: no row uses them
     processors: ProcessorBatch | None = None
     need_logprobs: bool = True  # some row wants its sampled token's logprob (logprobs or a cumulative logprob)
     logprob_rows: Tensor | None = None  # [L] those rows (None: all rows)
@@ -147,7 +147,7 @@ class SamplingBatch:
         want_logprobs: list[bool] | None = None,
     ) -> "SamplingBatch":
         """The simple path: every tensor built from the per-sequence lists (the engine keeps this state across
-        steps instead, loom.engine.sampling_state). ``want_logprobs``: which rows need their sampled token's
+        steps instead, loom.engine.sample.sampling_state). ``want_logprobs``: which rows need their sampled token's
         logprob (None: every row)."""
         S = len(params)
         assert S > 0 and len(seeds) == S and len(prompt_token_ids) == S and len(output_token_ids) == S

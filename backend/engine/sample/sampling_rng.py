@@ -10,7 +10,7 @@ per-sequence ``torch.Generator`` is needed.  (A Gumbel-max race with per-token h
 measured at ~60-110 ms per call for S=32, V=49152 on one CPU thread; one uniform per row plus a
 two-level cumsum costs a few ms and is exact as well.)
 
-Used by loom.engine.sampler on the logits the filters (loom.engine.sampling_filters) left.
+Used by loom.engine.sample.sampler on the logits the filters (loom.engine.sample.sampling_filters) left.
 """
 from __future__ import annotations
 

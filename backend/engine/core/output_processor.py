@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from loom.engine.core.scheduler import ScheduledBatch
+from loom.engine.core.sequence import Sequence, SequenceStatus
 from loom.engine.outputs import StepOutput, TokenLogprob
-from loom.engine.scheduler import ScheduledBatch
-from loom.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(eq=False)
