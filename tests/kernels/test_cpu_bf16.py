@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import harness.kernel_cases as kcases
-from loom.kernels import cpu_ext, dispatch, policy
+from loom.kernels import dispatch, policy
 from loom.kernels.cpu_paged_attention import (
     paged_decode_attention_cpu,
     paged_prefill_attention_cpu,
@@ -29,19 +29,7 @@ U16, U32 = 2.0 ** -8, 2.0 ** -24
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module", autouse=True, params=[name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
-def ext(request):
-    """Every test once per build (as tests/kernels/test_cpu_kernels.py): a build this CPU cannot run is skipped,
-    saying which flags it lacks."""
-    missing = cpu_ext.missing_flags(request.param) if request.param != "no-avx2" else []
-    if missing:
-        pytest.skip(f"the {request.param} kernels need CPU flags this machine lacks: {', '.join(missing)}")
-    flags = next((f for name, _, f in cpu_ext.ISAS if name == request.param), ())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_ext, "native_isa", lambda: flags)
-        m = cpu_ext.load()
-        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
-        yield m
+pytestmark = pytest.mark.usefixtures("cpu_build")  # every test once per C++ build (conftest.py)
 
 
 def within(out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor | float, what: str) -> None:

@@ -10,21 +10,7 @@ from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_p
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
-
-@pytest.fixture(scope="module", autouse=True, params=[name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
-def ext(request):
-    """Every test once per build (AVX-512 and AVX2/FMA intrinsics, and the plain loops a CPU without AVX2 gets),
-    each cached on disk like the engine's. A build this CPU cannot execute is skipped, saying which flags it lacks
-    (test_cpu_build compiles it all the same)."""
-    missing = cpu_ext.missing_flags(request.param) if request.param != "no-avx2" else []
-    if missing:
-        pytest.skip(f"the {request.param} kernels need CPU flags this machine lacks: {', '.join(missing)}")
-    flags = next((f for name, _, f in cpu_ext.ISAS if name == request.param), ())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_ext, "native_isa", lambda: flags)
-        m = cpu_ext.load()
-        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
-        yield m
+pytestmark = pytest.mark.usefixtures("cpu_build")  # every test once per C++ build (conftest.py)
 
 
 def forget_before_window(kc, vc, bt, seq_lens, window, block_size):

@@ -7,25 +7,12 @@ import pytest
 import torch
 
 from harness.quant_checkpoints import fp8_weight, int_weight
-from loom.kernels import cpu_ext, dispatch
+from loom.kernels import dispatch
 from loom.kernels.cpu_linear import PackedWeight
 from loom.kernels.cpu_quant import PackedQuantWeight, quant_linear_ref, takes
 from loom.models.quant import dequantize
 
-
-@pytest.fixture(scope="module", autouse=True, params=[name for name, _, _ in cpu_ext.ISAS] + ["no-avx2"])
-def ext(request):
-    """Every test once per build (AVX-512, AVX2/FMA, plain loops); a build this CPU cannot run is skipped, naming the
-    flags it lacks."""
-    missing = cpu_ext.missing_flags(request.param) if request.param != "no-avx2" else []
-    if missing:
-        pytest.skip(f"the {request.param} kernels need CPU flags this machine lacks: {', '.join(missing)}")
-    flags = next((f for name, _, f in cpu_ext.ISAS if name == request.param), ())
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_ext, "native_isa", lambda: flags)
-        m = cpu_ext.load()
-        assert m is not None, "the C++ CPU kernels failed to build (a compiler is part of the test set-up)"
-        yield m
+pytestmark = pytest.mark.usefixtures("cpu_build")  # every test once per C++ build (conftest.py)
 
 
 N, K = 200, 384  # 200: the last panel partial under either panel width (24, 48); 384: three groups of 128
