@@ -47,28 +47,27 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
-                           softcap=None):
+def _attention(q, k_cache, v_cache, out, sliding_window, softcap, triton, cpu, ref):
     ops = for_tensor(q).ops
     if ops == TRITON:
-        fn = paged_decode_attention_triton
-    elif cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) and ops == CPU:
-        fn = paged_decode_attention_cpu
-    else:
-        fn = paged_decode_attention_ref
+        return triton
+    if ops == CPU and cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap):
+        return cpu
+    return ref
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
+                           softcap=None):
+    fn = _attention(q, k_cache, v_cache, out, sliding_window, softcap, paged_decode_attention_triton,
+                    paged_decode_attention_cpu, paged_decode_attention_ref)
     return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
               softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
                             out=None, sliding_window=None, softcap=None):
-    ops = for_tensor(q).ops
-    if ops == TRITON:
-        fn = paged_prefill_attention_triton
-    elif cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap) and ops == CPU:
-        fn = paged_prefill_attention_cpu
-    else:
-        fn = paged_prefill_attention_ref
+    fn = _attention(q, k_cache, v_cache, out, sliding_window, softcap, paged_prefill_attention_triton,
+                    paged_prefill_attention_cpu, paged_prefill_attention_ref)
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
               sliding_window=sliding_window, softcap=softcap)
 

@@ -68,23 +68,14 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def make_ct_checkpoint(arch: str, root, scheme, name: str, fmt: str | None = None, **overrides):
-    """A tiny model quantized and compressed by compressed-tensors -> (float model, path). `scheme`: a preset name
-    (W4A16, W4A16_ASYM, W8A16, FP8, FP8_DYNAMIC, FP8_BLOCK, W8A8) or a dict of QuantizationScheme fields; `fmt`
-    forces the compression format (e.g. naive-quantized); lm_head is left unquantized."""
+def _quantize_and_compress(model, qs, fmt: str | None = None):
+    """Quantize model's Linear layers (but lm_head) by scheme qs with min-max qparams, then compress them in place as
+    compressed-tensors writes a checkpoint (format fmt, or its default for the scheme): -> the ModelCompressor (its
+    update_config writes the quantization_config of the saved folder)."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = _float_model(arch, overrides)
-    float_state = {k: v.clone() for k, v in model.state_dict().items()}
-    qs = preset_name_to_scheme(scheme, ["Linear"]) if isinstance(scheme, str) else \
-        QuantizationScheme(targets=["Linear"], **scheme)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qs}, ignore=["lm_head"]),
                               show_progress=False)
     for m in model.modules():
@@ -97,6 +88,20 @@ def make_ct_checkpoint(arch: str, root, scheme, name: str, fmt: str | None = Non
             m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
+    return compressor
+
+
+def make_ct_checkpoint(arch: str, root, scheme, name: str, fmt: str | None = None, **overrides):
+    """A tiny model quantized and compressed by compressed-tensors -> (float model, path). `scheme`: a preset name
+    (W4A16, W4A16_ASYM, W8A16, FP8, FP8_DYNAMIC, FP8_BLOCK, W8A8) or a dict of QuantizationScheme fields; `fmt`
+    forces the compression format (e.g. naive-quantized); lm_head is left unquantized."""
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+    model = _float_model(arch, overrides)
+    float_state = {k: v.clone() for k, v in model.state_dict().items()}
+    qs = preset_name_to_scheme(scheme, ["Linear"]) if isinstance(scheme, str) else \
+        QuantizationScheme(targets=["Linear"], **scheme)
+    compressor = _quantize_and_compress(model, qs, fmt)
     path = os.path.join(str(root), name)
     model.save_pretrained(path, safe_serialization=True)
     compressor.update_config(path)
@@ -270,9 +275,7 @@ def quantize_model_dir(src: str, dst: str, scheme: str = "W4A16") -> str:
     config.json (delete it to remake)."""
     import shutil
 
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import preset_name_to_scheme
     from transformers import AutoModelForCausalLM
 
     if os.path.isfile(os.path.join(dst, "config.json")):
@@ -285,18 +288,7 @@ def quantize_model_dir(src: str, dst: str, scheme: str = "W4A16") -> str:
         while any(w % size for w in widths):
             size //= 2
         qs.weights.group_size = size
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qs}, ignore=["lm_head"]),
-                              show_progress=False)
-    for m in model.modules():
-        s = getattr(m, "quantization_scheme", None)
-        if s is None:
-            continue
-        scale, zp = calculate_qparams(*_minmax(m.weight, s.weights), s.weights)
-        m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
-        if hasattr(m, "weight_zero_point"):
-            m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
+    compressor = _quantize_and_compress(model, qs)
     tmp = dst + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
