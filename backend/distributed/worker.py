@@ -18,6 +18,7 @@ import torch
 from loom.distributed.parallel_state import destroy_group, init_group, make_store
 from loom.distributed.step_broadcast import recv_step
 from loom.layers.forward_context import forward_context
+from loom.lora.tp_pools import PeerPools
 
 log = logging.getLogger("loom")
 
@@ -43,8 +44,10 @@ def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, r
             torch.cuda.set_device(device)
         group = init_group(rank, world_size, make_store(world_size, port), device)
         runner = runner_cls(config, model_dir, tp=group)
+        # this rank's LoRA pools, before the warm-up as rank 0's (its adapter registry's) are
+        pools = PeerPools(config, runner.model, runner.device, config.resolve_lora_dtype(runner.dtype), group.min_int)
         runner.warm_up()
-        serve(runner, group)
+        serve(runner, group, pools)
     except BaseException:  # told to rank 0 through the pipe: its error names this rank and carries this text
         try:
             conn.send(traceback.format_exc())
@@ -56,14 +59,16 @@ def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, r
 
 
 @torch.inference_mode()
-def serve(runner, group) -> None:
-    """Each step: receive it, make this rank's KV block copies, run the forward (its collectives pair with rank 0's;
-    the logits go to rank 0, which samples)."""
+def serve(runner, group, pools: PeerPools) -> None:
+    """Each step: receive it, make this rank's KV block copies and LoRA row writes, run the forward (its collectives
+    pair with rank 0's; the logits go to rank 0, which samples)."""
     while True:
         step = recv_step(group)
         if step is None:
             return
-        ids, ctx, copies = step
+        ids, ctx, copies, lora_updates = step
         runner.copy_blocks(copies)
+        if lora_updates is not None:
+            pools.apply(*lora_updates)
         with forward_context(ctx):
             runner.forward(ids, ctx.positions, ctx.logits_indices)

@@ -64,7 +64,8 @@ class EngineConfig:
     max_lora_wait_steps: int = 32
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
     # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
-    # visible GPU from the engine's. Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
+    # visible GPU from the engine's. LoRA adapters are sharded as their layers (each rank its part of A or B;
+    # lora_memory_bytes / lora_expert_memory_bytes per rank). Not yet with cpu_compile; CUDA graphs are off.
     tensor_parallel_size: int = 1
     # Speculative decoding (loom.engine.spec_decode): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": .., "disable_by_batch_size": ..}; a dict or JSON string is
@@ -130,8 +131,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         check(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
               "tensor_parallel_size", f"must be in [1, 64], got {tp!r}")
-        check(tp == 1 or not (self.adapter_roots or self.adapter_sources), "tensor_parallel_size",
-              f"LoRA adapters (adapter_roots, adapter_sources) are not served with tensor_parallel_size {tp} yet")
         check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
               f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -129,11 +128,10 @@ class LLMEngine:
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
                         "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
                         "kv_cache_memory_bytes or lower max_model_len", kv_tokens, self.max_model_len)
-        # no adapter pools under tensor parallelism (LoRA is refused there)
-        lora_config = config if self.ranks is None else \
-            replace(config, lora_memory_bytes=0, lora_expert_memory_bytes=0)
-        self.adapters = AdapterRegistry(lora_config, self.runner.model, self.runner.device,
-                                        config.resolve_lora_dtype(self.runner.dtype))
+        # under tensor parallelism the workers' pools follow these rows (loom.lora.tp_pools): the step carries them
+        self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device,
+                                        config.resolve_lora_dtype(self.runner.dtype), tp=self.runner.tp)
+        self.runner.peer_log = self.adapters.residency.peer_log
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
 
     def _start_runner(self, config: EngineConfig, model_dir: str) -> ModelRunner:
@@ -192,8 +190,6 @@ class LLMEngine:
                     lora_name: str | None = None) -> None:
         if request_id in self._alive:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        if lora_name and self.ranks is not None:
-            raise RequestError("lora_name", "LoRA adapters are not served with tensor_parallel_size > 1 yet")
         limit = self.prompt_limit()
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: as many as allowed)
             k = limit if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens

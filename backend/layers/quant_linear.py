@@ -33,6 +33,7 @@ class QuantLinear(LoRALinear):
         self.bias = base.bias
         self.lora_a = self.lora_b = None
         self.lora_group = base.lora_group
+        self.lora_shard = base.lora_shard
         self.dense = None  # the C++ layer pass and the fused LoRA epilogue take float panels only
         self.parts = list(parts)
         stops = [start for start, _ in self.parts[1:]] + [self.slice_offsets[-1]]

@@ -11,6 +11,9 @@ its `lora_a` / `lora_b`, j = the position of layer i among the group's layers.
 An adapter version owns the same contiguous rows [row_start, row_start + rank) in every pool of a space (all its
 groups, all layers), rank = its largest module rank among them (`rank_of`); groups or slices it does not target are
 written as zeros, so rows need no clearing when freed.
+Tensor parallelism: a rank's pools hold its part of each group (`LoraGroupSpec.shard`: all of A and its columns of
+B for column-parallel groups, its input columns of A and all of B for row-parallel ones), `write` slices the
+adapter's full weights to it, and every rank has the same rows (`make_pools`: the capacity all ranks agree on).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from loom.kernels.cpu_lora import pool_row
 from loom.kernels.cpu_memory import large_zeros
+from loom.lora.adapter_version import EXPERT, SPACE_FIELDS
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
 
@@ -105,7 +109,7 @@ class LoraPool:
             row = stored_row(self.device, dtype)
             for g in spec.groups:
                 lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
-                k, n = g.in_features, g.out_features
+                k, n = g.held_in_features, g.held_out_features
                 # on the CPU on huge pages: a decode step with many adapters reads rows all over them
                 self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, row(k)), dtype, self.device)[..., :k]
                 self.b[g.name] = large_zeros((*lead, self.capacity, row(n)), dtype, self.device)[..., :n]
@@ -160,8 +164,11 @@ class LoraPool:
                 dst_a.zero_()
                 dst_b.zero_()
             else:  # rows past r of a padded group are zeros: the pool takes only the first r
+                src_b = w.b[g.name][..., :r, :]
+                if g.shard is not None:  # this rank's part of the full weights
+                    src_a, src_b = g.shard.take_a(src_a), g.shard.take_b(src_b)
                 dst_a.copy_(src_a[..., :r, :], non_blocking=nb)
-                dst_b.copy_(w.b[g.name][..., :r, :], non_blocking=nb)
+                dst_b.copy_(src_b, non_blocking=nb)
 
     def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Host copies of rows (tests / debugging)."""
@@ -177,3 +184,16 @@ class LoraPool:
             a, b = self.a[g.name], self.b[g.name]
             a[..., dst:dst + n, :] = a[..., src:src + n, :].clone()
             b[..., dst:dst + n, :] = b[..., src:src + n, :].clone()
+
+
+def make_pools(config, spec: LoraModelSpec, device: torch.device, dtype: torch.dtype,
+               agree: Callable[[int], int] | None = None) -> tuple[LoraPool, LoraPool]:
+    """The pools of both row spaces (dense, expert), sized by lora_memory_bytes / lora_expert_memory_bytes.
+    agree (tensor parallelism: the minimum over the ranks, a collective every rank makes in this order): the rows
+    every rank's pools hold, so that a row number means the same rows on every rank."""
+    pools = []
+    for space, field_name in enumerate(SPACE_FIELDS):
+        sub = spec.space(expert=space == EXPERT)
+        capacity = LoraPool.capacity_for(sub, getattr(config, field_name), dtype, device)
+        pools.append(LoraPool(sub, agree(capacity) if agree is not None else capacity, device, dtype))
+    return pools[0], pools[1]

@@ -45,6 +45,7 @@ class ModelRunner:
         """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
         self.tp = tp
         self._copies: list[tuple[int, int]] = []  # rank 0: KV block copies the other ranks make at the next step
+        self.peer_log = None  # rank 0: LoRA rows written since the last step (loom.lora.tp_pools), set by the engine
         if tp is not None and config.cuda_graphs:
             config = replace(config, cuda_graphs=False)
             if tp.rank == 0 and config.torch_device.type == "cuda":
@@ -301,12 +302,10 @@ class ModelRunner:
             out = self.graphs.run(batch, lora, fill)
             if out is not None:
                 return out
-        if lora is not None and self.tp is not None:
-            raise RuntimeError("LoRA adapters are not served with tensor_parallel_size > 1")
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with self.tp.step_guard() if self.tp is not None else nullcontext():  # a dead rank: an error naming it
             if self.tp is not None:
-                send_step(self.tp, ids, ctx, self._copies)
+                send_step(self.tp, ids, ctx, self._copies, self.peer_log.take() if self.peer_log is not None else None)
                 self._copies = []
             with forward_context(ctx):
                 logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
