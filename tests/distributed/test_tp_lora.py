@@ -1,0 +1,157 @@
+"""Multi-LoRA under tensor parallelism on CPU (gloo): with adapters on every projection (fused q|k|v and gate|up with a
+KV head replicated on both ranks; Mixtral's experts) a mixed batch of several adapters and the base model gives on 2
+ranks the greedy tokens of transformers + PEFT and of TP=1, and TP=1's seeded samples; adapters loaded, compacted,
+evicted, reloaded and unloaded while requests stream keep every rank's rows equal to rank 0's."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.hf_models import (
+    DEFAULT_PEFT_TARGETS,
+    PEFT_TARGETS,
+    hf_greedy_logprobs,
+    make_hf_model,
+    make_peft_adapter,
+    peft_model,
+    random_prompts,
+)
+from loom.engine.sampling_params import SamplingParams
+from loom.lora import LoraModelSpec, LoraPool
+from tests.distributed.test_tp import tp_llm, workers
+from tests.models.parity import GREEDY, check
+
+LORA = dict(max_lora_rank=16, lora_memory_bytes=2 << 20, lora_expert_memory_bytes=8 << 20,
+            max_num_batched_tokens=16, enable_prefix_caching=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread(single_thread_torch):
+    """tests/conftest.py: single_thread_torch."""
+
+
+@pytest.fixture(autouse=True)
+def _no_workers_left():
+    yield
+    assert workers() == [], "a test left tensor-parallel workers running"
+    assert not dist.is_initialized()
+
+
+def _family(tmp_path, family: str):
+    """(model, path, adapter root, adapter names): the family's model and two adapters of different ranks and
+    scalings on every projection kind it has (llama: one KV head, replicated on both ranks)."""
+    overrides = dict(num_key_value_heads=1) if family == "llama" else {}
+    model, path = make_hf_model(family, tmp_path / "model", **overrides)
+    targets = PEFT_TARGETS.get(family, DEFAULT_PEFT_TARGETS)
+    root = tmp_path / "adapters"
+    make_peft_adapter(path, str(root / "a"), seed=3, r=4, alpha=8, **targets)
+    make_peft_adapter(path, str(root / "b"), seed=4, r=2, alpha=6, **targets)
+    return model, path, root
+
+
+def _sampled(llm, prompts, names):
+    params = SamplingParams(max_tokens=6, n=2, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_names=names)
+    for o in outs:
+        assert o.error is None, o.error
+    return [[s.token_ids for s in (o.samples or [o])] for o in outs]
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family):
+    """Chunked prefills beside decodes, each sequence with adapter a, b or none: TP=2's greedy tokens equal
+    transformers + PEFT's (logprobs as close as float32 allows) and TP=1's, its seeded samples TP=1's."""
+    model, path, root = _family(tmp_path, family)
+    oracles = {None: model, "a": peft_model(path, str(root / "a")), "b": peft_model(path, str(root / "b"))}
+    names = [None, "a", "b", "a", "b", None]
+    prompts = random_prompts([5, 30, 3, 18, 9], model.config.vocab_size, seed=21)
+    prompts.append(prompts[1])  # a's prompt without it: the adapters matter
+    greedy, sampled = {}, {}
+    for tp in (1, 2):
+        llm = tp_llm(path, model.config, tp, adapter_roots=[str(root)], **LORA)
+        try:
+            if tp == 2:
+                outs = check(llm, model, prompts, 6, lora_names=names, oracle=lambda i: oracles[names[i]])
+            else:
+                outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), lora_names=names)
+            greedy[tp] = [o.token_ids for o in outs]
+            sampled[tp] = _sampled(llm, prompts, names)
+        finally:
+            llm.engine.close()
+    assert greedy[2] == greedy[1] and sampled[2] == sampled[1]
+    assert greedy[2][1] != greedy[2][5]
+
+
+def _serve(eng, got: dict, until=lambda: False) -> dict:
+    """Step until `until()` or nothing is left; -> the finished outputs by request id."""
+    done = {}
+    while eng.has_unfinished_requests() and not until():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                assert o.error is None, o.error
+                done[o.request_id] = o
+    return done
+
+
+def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
+    """Rows written, moved by compaction and reused after an eviction on rank 0 are written and moved alike on
+    rank 1 before the step that reads them: every request gets its adapter version's PEFT tokens - one streaming
+    across a reload keeps the old version, the next gets the new one - and an unloaded adapter leaves the rest
+    serving."""
+    model, path, root = _family(tmp_path, "llama")
+    spec_row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(model.config), torch.float32, "cpu")
+    llm = tp_llm(path, model.config, 2, adapter_roots=[str(root)], **{**LORA, "lora_memory_bytes": 9 * spec_row})
+    eng, reg = llm.engine, llm.engine.adapters
+    try:
+        cap = reg.info()["capacity_rows"]  # the rows every rank holds (each rank's part of a row is smaller)
+        assert 7 <= cap <= 20, cap
+        ranks = {"x": 2, "y": 4, "z": cap - 6, "w": cap - 4}
+        for name, r in ranks.items():
+            make_peft_adapter(path, str(root / name), seed=10 + r, r=r, alpha=2 * r, **DEFAULT_PEFT_TARGETS)
+        oracle = {n: peft_model(path, str(root / n)) for n in ranks}
+        oracle[None] = model
+        prompts = random_prompts([7, 12, 4], model.config.vocab_size, seed=8)
+        p = SamplingParams(max_tokens=5, **GREEDY)
+
+        def expect(name, prompt, tokens):
+            ref = hf_greedy_logprobs(oracle[name], prompt, len(tokens))[0]
+            assert tokens == ref, f"adapter {name}: {tokens} vs PEFT {ref}"
+
+        for name in ("x", "y", "z"):
+            reg.load(name)
+        outs = llm.generate(prompts, p, lora_names=["x", "y", "z"])  # x, y, z fill the pool in that order
+        for name, prompt, o in zip("xyz", prompts, outs):
+            expect(name, prompt, o.token_ids)
+        assert [reg.list()[i]["row_start"] for i in range(3)] == [0, 2, 6]
+        reg.unload("x")
+        reg.unload("z")  # free: rows [0, 2) and [6, cap): w needs cap - 4 together, so y moves to row 0
+        reg.load("w")
+        outs = llm.generate(prompts[:2], p, lora_names=["y", "w"])
+        assert reg.num_compactions == 1 and {d["name"]: d["row_start"] for d in reg.list()} == {"w": 4, "y": 0}
+        expect("y", prompts[0], outs[0].token_ids)
+        expect("w", prompts[1], outs[1].token_ids)
+        # y streams while its files are replaced and it is reloaded (rank 2: w is evicted for its rows)
+        got: dict = {}
+        eng.add_request("old", prompts[2], SamplingParams(max_tokens=8, **GREEDY), "y")
+        _serve(eng, got, until=lambda: len(got.get("old", [])) >= 3)
+        shutil.rmtree(root / "y")
+        make_peft_adapter(path, str(root / "y"), seed=99, r=2, alpha=3, **DEFAULT_PEFT_TARGETS)
+        reg.reload("y")
+        eng.add_request("new", prompts[2], SamplingParams(max_tokens=8, **GREEDY), "y")
+        eng.add_request("base", prompts[1], SamplingParams(max_tokens=8, **GREEDY), None)
+        _serve(eng, got)
+        assert reg.num_evictions >= 1
+        expect("y", prompts[2], got["old"])
+        oracle["y"] = peft_model(path, str(root / "y"))
+        expect("y", prompts[2], got["new"])
+        assert got["old"] != got["new"]
+        expect(None, prompts[1], got["base"])
+        reg.unload("y")
+        outs = llm.generate(prompts[:2], p, lora_names=["w", None])  # w placed again, into rows y's versions held
+        expect("w", prompts[0], outs[0].token_ids)
+    finally:
+        eng.close()
