@@ -39,14 +39,14 @@ def _meta_parts(meta: AttentionMeta | None) -> list[torch.Tensor]:
 
 
 def _lora_ints(meta: LoraBatchMeta | None) -> list[int]:
-    """One row space's grouping as host integers (scalings as their float64 bits)."""
+    """One row space's grouping as host integers (scalings as their float64 bits; versions 0 where unknown)."""
     if meta is None:
         return [0]
     g = meta.num_groups
     mask = -1 if meta.module_groups is None else sum(1 << i for i, n in enumerate(_GROUPS) if n in meta.module_groups)
     bits = torch.tensor(meta.scalings_cpu, dtype=torch.float64).view(torch.int64).tolist()
     return [1, g, meta.token_indices.shape[0], meta.max_rank, meta.max_seg_len, mask, *meta.seg_starts_cpu,
-            *meta.row_start_cpu, *meta.ranks_cpu, *bits]
+            *meta.row_start_cpu, *meta.ranks_cpu, *bits, *(meta.versions_cpu or [0] * g)]
 
 
 def _lora_meta(ints: list[int], tokens: list[torch.Tensor], device: torch.device) -> LoraBatchMeta | None:
@@ -54,15 +54,15 @@ def _lora_meta(ints: list[int], tokens: list[torch.Tensor], device: torch.device
     if not ints.pop(0):
         return None
     g, _, max_rank, max_seg, mask = (ints.pop(0) for _ in range(5))
-    seg, rows, ranks, bits = (ints[:g + 1], ints[g + 1:2 * g + 1], ints[2 * g + 1:3 * g + 1], ints[3 * g + 1:4 * g + 1])
-    del ints[:4 * g + 1]
+    seg, rows, ranks, bits, versions = (ints[:g + 1], *(ints[k * g + 1:(k + 1) * g + 1] for k in range(1, 5)))
+    del ints[:5 * g + 1]
     scalings = torch.tensor(bits, dtype=torch.int64).view(torch.float64).tolist()
     i32 = dict(dtype=torch.int32, device=device)
     return LoraBatchMeta(
         token_indices=tokens.pop(0), seg_starts=torch.tensor(seg, **i32), row_start=torch.tensor(rows, **i32),
         ranks=torch.tensor(ranks, **i32), scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
         max_rank=max_rank, max_seg_len=max_seg, seg_starts_cpu=seg, row_start_cpu=rows, ranks_cpu=ranks,
-        scalings_cpu=scalings,
+        scalings_cpu=scalings, versions_cpu=versions,
         module_groups=None if mask < 0 else frozenset(n for i, n in enumerate(_GROUPS) if mask >> i & 1))
 
 
@@ -155,5 +155,5 @@ def _token_counts(ints: list[int]) -> list[int]:
     while i < len(ints) and ints[i]:
         g = ints[i + 1]
         out.append(ints[i + 2])
-        i += 6 + 4 * g + 1
+        i += 6 + 5 * g + 1
     return out

@@ -60,8 +60,8 @@ def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, r
 
 @torch.inference_mode()
 def serve(runner, group, pools: PeerPools) -> None:
-    """Each step: receive it, make this rank's KV block copies and LoRA row writes, run the forward (its collectives
-    pair with rank 0's; the logits go to rank 0, which samples)."""
+    """Each step: receive it, make this rank's KV block copies and LoRA row writes, check the LoRA rows it reads, run
+    the forward (its collectives pair with rank 0's; the logits go to rank 0, which samples)."""
     while True:
         step = recv_step(group)
         if step is None:
@@ -70,5 +70,6 @@ def serve(runner, group, pools: PeerPools) -> None:
         runner.copy_blocks(copies)
         if lora_updates is not None:
             pools.apply(*lora_updates)
+        pools.check(ctx.lora)  # the rows the step reads hold rank 0's adapter versions
         with forward_context(ctx):
             runner.forward(ids, ctx.positions, ctx.logits_indices)

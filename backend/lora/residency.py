@@ -108,7 +108,7 @@ class RowResidency:
     def _write(self, v: AdapterVersion, space: int, start: int) -> None:
         pool = self.pools[space]
         if self.peer_log is not None:
-            self.peer_log.write(space, start, v.ranks[space], v.host)
+            self.peer_log.write(space, start, v.ranks[space], v.host, v.version)
         if self._copy_stream is None:  # one worker: copies run in order, so the latest marks the version's end
             self._copies[v] = self._copier.submit(pool.write, start, v.host)
             return

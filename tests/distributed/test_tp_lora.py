@@ -19,8 +19,13 @@ from harness.hf_models import (
     peft_model,
     random_prompts,
 )
+from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
+from loom.engine.config import EngineConfig
 from loom.engine.sampling_params import SamplingParams
+from loom.layers.forward_context import LoraBatchMeta
 from loom.lora import LoraModelSpec, LoraPool
+from loom.lora.peft_loader import load_peft_adapter
+from loom.lora.tp_pools import PeerLog, PeerPools
 from tests.distributed.test_tp import tp_llm, workers
 from tests.models.parity import GREEDY, check
 
@@ -117,23 +122,26 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
         prompts = random_prompts([7, 12, 4], model.config.vocab_size, seed=8)
         p = SamplingParams(max_tokens=5, **GREEDY)
 
-        def expect(name, prompt, tokens):
-            ref = hf_greedy_logprobs(oracle[name], prompt, len(tokens))[0]
+        def expect(name, prompt, out, n=5):
+            """`out`: an output (its error None) or the tokens a streamed request got; n tokens of PEFT's."""
+            tokens = out if isinstance(out, list) else out.token_ids
+            assert isinstance(out, list) or out.error is None, out.error
+            ref = hf_greedy_logprobs(oracle[name], prompt, n)[0]
             assert tokens == ref, f"adapter {name}: {tokens} vs PEFT {ref}"
 
         for name in ("x", "y", "z"):
             reg.load(name)
         outs = llm.generate(prompts, p, lora_names=["x", "y", "z"])  # x, y, z fill the pool in that order
         for name, prompt, o in zip("xyz", prompts, outs):
-            expect(name, prompt, o.token_ids)
+            expect(name, prompt, o)
         assert [reg.list()[i]["row_start"] for i in range(3)] == [0, 2, 6]
         reg.unload("x")
         reg.unload("z")  # free: rows [0, 2) and [6, cap): w needs cap - 4 together, so y moves to row 0
         reg.load("w")
         outs = llm.generate(prompts[:2], p, lora_names=["y", "w"])
         assert reg.num_compactions == 1 and {d["name"]: d["row_start"] for d in reg.list()} == {"w": 4, "y": 0}
-        expect("y", prompts[0], outs[0].token_ids)
-        expect("w", prompts[1], outs[1].token_ids)
+        expect("y", prompts[0], outs[0])
+        expect("w", prompts[1], outs[1])
         # y streams while its files are replaced and it is reloaded (rank 2: w is evicted for its rows)
         got: dict = {}
         eng.add_request("old", prompts[2], SamplingParams(max_tokens=8, **GREEDY), "y")
@@ -145,13 +153,51 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
         eng.add_request("base", prompts[1], SamplingParams(max_tokens=8, **GREEDY), None)
         _serve(eng, got)
         assert reg.num_evictions >= 1
-        expect("y", prompts[2], got["old"])
+        expect("y", prompts[2], got["old"], 8)
         oracle["y"] = peft_model(path, str(root / "y"))
-        expect("y", prompts[2], got["new"])
+        expect("y", prompts[2], got["new"], 8)
         assert got["old"] != got["new"]
-        expect(None, prompts[1], got["base"])
+        expect(None, prompts[1], got["base"], 8)
         reg.unload("y")
         outs = llm.generate(prompts[:2], p, lora_names=["w", None])  # w placed again, into rows y's versions held
-        expect("w", prompts[0], outs[0].token_ids)
+        expect("w", prompts[0], outs[0])
     finally:
         eng.close()
+
+
+def _meta(rows: list[int], ranks: list[int], versions: list[int]) -> LoraBatchMeta:
+    """What PeerPools.check reads of a step's grouping."""
+    z = torch.zeros(0)
+    return LoraBatchMeta(token_indices=z, seg_starts=z, row_start=z, ranks=z, scalings=z, max_rank=max(ranks),
+                         max_seg_len=1, row_start_cpu=rows, ranks_cpu=ranks, versions_cpu=versions)
+
+
+def test_peer_pools_repeat_rank0s_writes_and_moves_and_refuse_other_versions(tmp_path):
+    """In one process: a peer's pools replay rank 0's log (writes of two adapters with different targets, a move)
+    into the same rows, and a step reading rows that hold another version than the one it names is refused."""
+    cfg = tiny_llama_config()
+    spec = LoraModelSpec.from_hf_config(cfg)
+    conf = EngineConfig(lora_memory_bytes=8 * LoraPool.row_bytes_for(spec, torch.float32, "cpu"))
+    rank0, peer = (PeerPools(conf, holder_model(cfg), torch.device("cpu"), torch.float32, None) for _ in range(2))
+    log = PeerLog(rank0.pools)
+    x = load_peft_adapter(write_raw_adapter(str(tmp_path / "x"), cfg, seed=1, r=2, alpha=4, target_modules=["q_proj",
+                          "down_proj"]), "x", spec, torch.float32, 16)
+    y = load_peft_adapter(write_raw_adapter(str(tmp_path / "y"), cfg, seed=2, r=3, alpha=3, target_modules=["v_proj",
+                          "o_proj", "up_proj"]), "y", spec, torch.float32, 16)
+    dense = rank0.pools[0]
+    for start, w, version in ((0, x, 7), (2, y, 8)):
+        dense.write(start, w)
+        log.write(0, start, dense.rank_of(w), w, version)
+    dense.move(2, 5, 3)
+    log.move(0, 2, 5, 3)
+    peer.apply(*log.take())
+    assert log.take() is None
+    for mine, theirs in zip(dense.read(0, 8), peer.pools[0].read(0, 8)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert dense.read(5, 3)[0]["qkv_proj"].abs().sum() > 0  # y's rows, moved
+    peer.check(_meta([0, 5], [2, 3], [7, 8]))
+    with pytest.raises(RuntimeError, match=r"rows \[5, 8\) of row space 0 hold adapter versions \[8\], the step reads "
+                                           "version 9"):
+        peer.check(_meta([5], [3], [9]))
+    with pytest.raises(RuntimeError, match=r"rows \[1, 4\) .* versions \[7, 8\]"):
+        peer.check(_meta([1], [3], [8]))
