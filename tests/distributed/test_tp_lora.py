@@ -45,10 +45,10 @@ def _no_workers_left():
     assert not dist.is_initialized()
 
 
-def _family(tmp_path, family: str):
-    """(model, path, adapter root, adapter names): the family's model and two adapters of different ranks and
-    scalings on every projection kind it has (llama: one KV head, replicated on both ranks)."""
-    overrides = dict(num_key_value_heads=1) if family == "llama" else {}
+def _family(tmp_path, family: str, **overrides):
+    """(model, path, adapter root): the family's model and adapters a and b of different ranks and scalings on every
+    projection kind it has (llama: one KV head, replicated on both ranks, unless `overrides` say otherwise)."""
+    overrides = {"num_key_value_heads": 1, **overrides} if family == "llama" else overrides
     model, path = make_hf_model(family, tmp_path / "model", **overrides)
     targets = PEFT_TARGETS.get(family, DEFAULT_PEFT_TARGETS)
     root = tmp_path / "adapters"
@@ -106,8 +106,9 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
     """Rows written, moved by compaction and reused after an eviction on rank 0 are written and moved alike on
     rank 1 before the step that reads them: every request gets its adapter version's PEFT tokens - one streaming
     across a reload keeps the old version, the next gets the new one - and an unloaded adapter leaves the rest
-    serving."""
-    model, path, root = _family(tmp_path, "llama")
+    serving. 3 KV heads on 2 ranks: rank 1 holds two, so its part of a row is larger and the ranks agree on its
+    (smaller) count of rows."""
+    model, path, root = _family(tmp_path, "llama", num_key_value_heads=3)
     spec_row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(model.config), torch.float32, "cpu")
     llm = tp_llm(path, model.config, 2, adapter_roots=[str(root)], **{**LORA, "lora_memory_bytes": 9 * spec_row})
     eng, reg = llm.engine, llm.engine.adapters
