@@ -97,8 +97,12 @@ def stored_row(device: torch.device, dtype: torch.dtype) -> Callable[[int], int]
 
 
 class LoraPool:
-    def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype,
+                 row_bytes: int | None = None):
+        """row_bytes (tensor parallelism): the largest part of a row any rank's pools hold, what `row_bytes` says
+        (a row's cost on the rank where it costs most); None: this pool's."""
         self.spec = spec
+        self._row_bytes = row_bytes
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -127,7 +131,7 @@ class LoraPool:
 
     @property
     def row_bytes(self) -> int:
-        return LoraPool.row_bytes_for(self.spec, self.dtype, self.device)
+        return self._row_bytes or LoraPool.row_bytes_for(self.spec, self.dtype, self.device)
 
     def rank_of(self, w: AdapterWeights) -> int:
         """Rows the adapter takes in this pool: its largest module rank among the pool's groups; 0 = none targeted."""
@@ -190,10 +194,14 @@ def make_pools(config, spec: LoraModelSpec, device: torch.device, dtype: torch.d
                agree: Callable[[int], int] | None = None) -> tuple[LoraPool, LoraPool]:
     """The pools of both row spaces (dense, expert), sized by lora_memory_bytes / lora_expert_memory_bytes.
     agree (tensor parallelism: the minimum over the ranks, a collective every rank makes in this order): the rows
-    every rank's pools hold, so that a row number means the same rows on every rank."""
+    every rank's pools hold, so that a row number means the same rows on every rank, and the largest part of a row
+    a rank holds (uneven shards: 3 KV heads on 2 ranks), which the pools' sizes and refusals quote."""
     pools = []
     for space, field_name in enumerate(SPACE_FIELDS):
         sub = spec.space(expert=space == EXPERT)
         capacity = LoraPool.capacity_for(sub, getattr(config, field_name), dtype, device)
-        pools.append(LoraPool(sub, agree(capacity) if agree is not None else capacity, device, dtype))
+        row = None
+        if agree is not None:
+            capacity, row = agree(capacity), -agree(-LoraPool.row_bytes_for(sub, dtype, device))
+        pools.append(LoraPool(sub, capacity, device, dtype, row))
     return pools[0], pools[1]

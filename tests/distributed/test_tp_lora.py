@@ -113,8 +113,10 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
     llm = tp_llm(path, model.config, 2, adapter_roots=[str(root)], **{**LORA, "lora_memory_bytes": 9 * spec_row})
     eng, reg = llm.engine, llm.engine.adapters
     try:
-        cap = reg.info()["capacity_rows"]  # the rows every rank holds (each rank's part of a row is smaller)
-        assert 7 <= cap <= 20, cap
+        info = reg.info()  # rows every rank holds, sized by rank 1's larger part of a row (each smaller than a row)
+        cap, row = info["capacity_rows"], info["row_bytes"]
+        rank0_row = LoraPool.row_bytes_for(reg.pool.spec, torch.float32, "cpu")
+        assert 7 <= cap <= 20 and cap == 9 * spec_row // row and rank0_row < row < spec_row, (cap, row, rank0_row)
         ranks = {"x": 2, "y": 4, "z": cap - 6, "w": cap - 4}
         for name, r in ranks.items():
             make_peft_adapter(path, str(root / name), seed=10 + r, r=r, alpha=2 * r, **DEFAULT_PEFT_TARGETS)
