@@ -22,6 +22,7 @@ from harness.hf_models import (
 from harness.lora import holder_model, tiny_llama_config, write_raw_adapter
 from loom.engine.config import EngineConfig
 from loom.engine.sampling_params import SamplingParams
+from loom.errors import RequestError
 from loom.layers.forward_context import LoraBatchMeta
 from loom.lora import LoraModelSpec, LoraPool
 from loom.lora.peft_loader import load_peft_adapter
@@ -105,9 +106,9 @@ def _serve(eng, got: dict, until=lambda: False) -> dict:
 def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
     """Rows written, moved by compaction and reused after an eviction on rank 0 are written and moved alike on
     rank 1 before the step that reads them: every request gets its adapter version's PEFT tokens - one streaming
-    across a reload keeps the old version, the next gets the new one - and an unloaded adapter leaves the rest
-    serving. 3 KV heads on 2 ranks: rank 1 holds two, so its part of a row is larger and the ranks agree on its
-    (smaller) count of rows."""
+    across a reload keeps the old version, the next gets the new one - an unloaded adapter leaves the rest serving,
+    and one on lm_head is refused. 3 KV heads on 2 ranks: rank 1 holds two, so its part of a row is larger and the
+    ranks agree on its (smaller) count of rows."""
     model, path, root = _family(tmp_path, "llama", num_key_value_heads=3)
     spec_row = LoraPool.row_bytes_for(LoraModelSpec.from_hf_config(model.config), torch.float32, "cpu")
     llm = tp_llm(path, model.config, 2, adapter_roots=[str(root)], **{**LORA, "lora_memory_bytes": 9 * spec_row})
@@ -164,6 +165,11 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
         reg.unload("y")
         outs = llm.generate(prompts[:2], p, lora_names=["w", None])  # w placed again, into rows y's versions held
         expect("w", prompts[0], outs[0])
+        # no LoRA on the vocabulary-parallel embedding / lm_head (none without TP either): refused by name
+        write_raw_adapter(str(root / "head"), model.config, 0, 2, 2, ["q_proj"],
+                          extra_config={"target_modules": ["q_proj", "lm_head"]})
+        with pytest.raises(RequestError, match="lora_name: adapter 'head': unsupported target module 'lm_head'"):
+            eng.add_request("head", prompts[0], p, "head")
     finally:
         eng.close()
 
