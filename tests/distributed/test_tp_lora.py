@@ -1,7 +1,8 @@
 """Multi-LoRA under tensor parallelism on CPU (gloo): with adapters on every projection (fused q|k|v and gate|up with a
 KV head replicated on both ranks; Mixtral's experts) a mixed batch of several adapters and the base model gives on 2
 ranks the greedy tokens of transformers + PEFT and of TP=1, and TP=1's seeded samples; adapters loaded, compacted,
-evicted, reloaded and unloaded while requests stream keep every rank's rows equal to rank 0's."""
+evicted, reloaded and unloaded while requests stream keep every rank's rows equal to rank 0's, which each worker
+checks before a step; LoRA on lm_head stays refused."""
 from __future__ import annotations
 
 import shutil
@@ -89,6 +90,7 @@ def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family):
             llm.engine.close()
     assert greedy[2] == greedy[1] and sampled[2] == sampled[1]
     assert greedy[2][1] != greedy[2][5]
+    assert any(len(set(map(tuple, samples))) > 1 for samples in sampled[1])  # the seeded ones differ
 
 
 def _serve(eng, got: dict, until=lambda: False) -> dict:
