@@ -59,13 +59,13 @@ class Section:
 # before the optional 8B sweep.
 SECTIONS = [
     Section("kernels", "harness.gpu_kernels:run", 50, 150, False),
-    Section("kernel_grid", "harness.gpu_kernels:run_grid", 50, 60, False),
-    Section("engine", "harness.gpu_engine:run_engine", 100, 150, False),
-    Section("lora", "harness.gpu_engine:run_lora", 25, 150, False),
+    Section("kernel_grid", "harness.gpu_kernels:run_grid", 60, 60, False),
+    Section("engine", "harness.gpu_engine:run_engine", 115, 150, False),
+    Section("lora", "harness.gpu_engine:run_lora", 20, 150, False),
     Section("sampler", "harness.gpu_sampler:run", 10, 60, False),
     Section("memory", "harness.gpu_perf:run_memory", 50, 60, True),
-    Section("speed", "harness.gpu_perf:run_speed", 70, 90, True),
-    Section("tp", "harness.gpu_tp:run_tp", 40, 120, True, optional=True),
+    Section("speed", "harness.gpu_perf:run_speed", 55, 90, True),
+    Section("tp", "harness.gpu_tp:run_tp", 35, 120, True, optional=True),
     Section("speed_8b", "harness.gpu_perf:run_speed_8b", 25, 60, True, optional=True),
 ]
 BUDGET_S = 450  # the whole CUDA run: with ~3 min of machine start it leaves room for a rerun in 15 min of device time

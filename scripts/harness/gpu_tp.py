@@ -47,9 +47,10 @@ def run_tp(rec, opts) -> None:
         if n < 2:
             rec.skip_section(f"{n} GPU")
             return
-    full = dev == "cuda" and not opts.smoke
-    cfg, name = (LLAMA_1B, "1B random") if full else (TINY_A, "tiny (1B slot)")
-    batches, prompt_len, steps = ((1, 32), 512, 20) if full else ((1, 2), 16, 3)
+    real = dev == "cuda" and not opts.smoke and not opts.plan  # --plan: the CUDA run's dtype and batches, tiny dims
+    full = real or opts.plan
+    cfg, name = (LLAMA_1B, "1B random") if real else (TINY_A, "tiny (1B slot)")
+    batches, prompt_len, steps = ((1, 32), 512, 20) if real else ((1, 32), 64, 2) if full else ((1, 2), 16, 3)
     made = rec.run(f"random {name} Llama written", lambda: {"dir": ensure_random_llama(
         Path(opts.work_dir), "llama1b", cfg, dev)})  # the speed section's model, when it wrote it
     if made is None:
