@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 import torch
 
 from loom.distributed import rendezvous
-from loom.distributed.ranks import _stop, last_error, node_devices, spawn_context, start_worker
+from loom.distributed.ranks import last_error, node_devices, spawn_context, start_worker, stop_workers
 from loom.errors import ConfigError
 
 log = logging.getLogger("loom")
@@ -65,4 +65,4 @@ def run_node(host: str, port: int, nnodes: int, node_rank: int, config_cls, runn
                 return 1
         return 0
     finally:
-        _stop(procs, conns, 0.0)
+        stop_workers(procs, conns, 0.0)

@@ -52,7 +52,8 @@ def spawn_context():
     return ctx
 
 
-def _stop(processes: list, conns: list, timeout: float) -> None:
+def stop_workers(processes: list, conns: list, timeout: float) -> None:
+    """Join the worker processes for up to `timeout`, then terminate / kill what is left; close their pipes."""
     deadline = time.monotonic() + timeout
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -102,8 +103,11 @@ class Ranks:
         self._conns: list = []
         self._errors: dict[int, str] = {}
         self.group: ParallelGroup | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns, 0.0)
-        self._store = store = rdv.store(master=True)
+        self._finalizer = weakref.finalize(self, stop_workers, self.processes, self._conns, 0.0)
+        try:
+            self._store = store = rdv.store(master=True)
+        except RuntimeError as e:  # the port is taken, or the address is not this host's
+            raise ConfigError("master_port", f"the rendezvous cannot listen on port {rdv.port}: {e}") from None
         rdv = replace(rdv, port=store.port)  # the free port it bound (one node)
         ctx = spawn_context()
         try:
@@ -168,4 +172,4 @@ class Ranks:
         else:
             timeout = 0.0
         self._finalizer.detach()
-        _stop(self.processes, self._conns, timeout)
+        stop_workers(self.processes, self._conns, timeout)

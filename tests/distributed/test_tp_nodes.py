@@ -95,7 +95,7 @@ def test_an_orderly_close_ends_the_other_node(tmp_path):
             node.wait()
 
 
-def test_rendezvous_refusals():
+def test_rendezvous_refusals(tmp_path):
     from loom.distributed.rendezvous import resolve
     from loom.engine.config import EngineConfig
 
@@ -116,3 +116,16 @@ def test_rendezvous_refusals():
     assert (resolve(both, {"MASTER_ADDR": "x", "MASTER_PORT": "1"}).host, resolve(both, {}).port) == ("h", 1234)
     one = resolve(EngineConfig(tensor_parallel_size=2), {"MASTER_ADDR": "x", "MASTER_PORT": "1"})
     assert (one.host, one.port, one.nnodes) == ("127.0.0.1", 0, 1)
+    # the port is taken: refused naming master_port, before anything is started
+    import socket
+
+    from loom.engine.llm_engine import LLMEngine
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = EngineConfig(model=str(tmp_path), tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                           master_port=taken.getsockname()[1])
+        with pytest.raises(ConfigError, match="master_port: the rendezvous cannot listen on port"):
+            LLMEngine(cfg, load_tokenizer=False)
+    assert not dist.is_initialized()
