@@ -63,8 +63,8 @@ class EngineConfig:
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
-    # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
-    # visible GPU from the engine's. Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
+    # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA local rank r on visible GPU
+    # base + r (loom.distributed.placement). Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
     tensor_parallel_size: int = 1
     # Ranks across hosts (loom.distributed.rendezvous): nnodes nodes of tensor_parallel_size / nnodes ranks each; this
     # engine is node 0 and listens at master_port for the others (`python -m loom.engine.tp_node --node-rank K`), which

@@ -74,8 +74,7 @@ def _running(p: psutil.Process) -> bool:
 def stub_of(server, model: str) -> psutil.Process:
     """The Python backend stub serving `model` (its command line names the model's folder)."""
     stubs = [p for p in psutil.Process(server.pid).children()
-             if _running(p) and any(a.rstrip("/").endswith(f"/{model}/1/model.py") or f"/{model}/" in a
-                                    for a in p.cmdline()[1:2])]
+             if _running(p) and len(p.cmdline()) > 1 and f"/{model}/" in p.cmdline()[1]]
     assert len(stubs) == 1, [p.cmdline() for p in psutil.Process(server.pid).children()]
     return stubs[0]
 
