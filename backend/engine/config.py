@@ -63,20 +63,21 @@ class EngineConfig:
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
-    # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA local rank r on visible GPU
-    # base + r (loom.distributed.placement). Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
+    # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
+    # visible GPU from the engine's. Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
     tensor_parallel_size: int = 1
-    # Ranks across hosts (loom.distributed.rendezvous): nnodes nodes of tensor_parallel_size / nnodes ranks each; this
-    # engine is node 0 and listens at master_port for the others (`python -m loom.engine.tp_node --node-rank K`), which
-    # reach it at master_addr. Empty / 0 = $MASTER_ADDR / $MASTER_PORT. Ignored on one node (loopback, a free port).
-    nnodes: int = 1
-    master_addr: str = ""
-    master_port: int = 0
     # Speculative decoding (loom.engine.spec_decode): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": .., "disable_by_batch_size": ..}; a dict or JSON string is
     # converted. None = off. (Optional[...], not "| None": the type is written in docs/CONFIGURATION.md's table,
     # where a pipe would split the cell.)
     speculative_config: Optional[SpeculativeConfig] = None
+    # Tensor parallelism across hosts (loom.distributed.rendezvous): nnodes nodes of tensor_parallel_size / nnodes
+    # ranks each; this engine is node 0 and listens at master_port for the others (`python -m loom.engine.tp_node
+    # --node-rank K`), which reach it at master_addr. Empty / 0 = $MASTER_ADDR / $MASTER_PORT. Ignored on one node
+    # (loopback, a free port).
+    nnodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,16 +139,16 @@ class EngineConfig:
               "tensor_parallel_size", f"must be in [1, 64], got {tp!r}")
         check(tp == 1 or not (self.adapter_roots or self.adapter_sources), "tensor_parallel_size",
               f"LoRA adapters (adapter_roots, adapter_sources) are not served with tensor_parallel_size {tp} yet")
-        n = self.nnodes
-        check(isinstance(n, int) and not isinstance(n, bool) and n >= 1 and isinstance(tp, int) and tp % n == 0,
+        check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
+              f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
+        n, tp = self.nnodes, self.tensor_parallel_size
+        check(isinstance(n, int) and not isinstance(n, bool) and n >= 1 and tp % n == 0,
               "nnodes", f"must be >= 1 and divide tensor_parallel_size {tp} (each node holds as many ranks), got {n!r}")
         check(isinstance(self.master_addr, str), "master_addr", "must be a host name or address")
         check(isinstance(self.master_port, int) and not isinstance(self.master_port, bool)
               and 0 <= self.master_port <= 65535, "master_port",
               f"must be a port in [0, 65535] (0 = $MASTER_PORT), got {self.master_port!r}")
-        check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
-              f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
 
     @property
     def torch_device(self) -> torch.device:
