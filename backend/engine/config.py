@@ -72,6 +72,13 @@ class EngineConfig:
     # converted. None = off. (Optional[...], not "| None": the type is written in docs/CONFIGURATION.md's table,
     # where a pipe would split the cell.)
     speculative_config: Optional[SpeculativeConfig] = None
+    # Tensor parallelism across hosts (loom.distributed.rendezvous): nnodes nodes of tensor_parallel_size / nnodes
+    # ranks each; this engine is node 0 and listens at master_port for the others (`python -m loom.engine.tp_node
+    # --node-rank K`), which reach it at master_addr. Empty / 0 = $MASTER_ADDR / $MASTER_PORT. Ignored on one node
+    # (loopback, a free port).
+    nnodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,6 +141,13 @@ class EngineConfig:
         check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
               f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
+        n, tp = self.nnodes, self.tensor_parallel_size
+        check(isinstance(n, int) and not isinstance(n, bool) and n >= 1 and tp % n == 0,
+              "nnodes", f"must be >= 1 and divide tensor_parallel_size {tp} (each node holds as many ranks), got {n!r}")
+        check(isinstance(self.master_addr, str), "master_addr", "must be a host name or address")
+        check(isinstance(self.master_port, int) and not isinstance(self.master_port, bool)
+              and 0 <= self.master_port <= 65535, "master_port",
+              f"must be a port in [0, 65535] (0 = $MASTER_PORT), got {self.master_port!r}")
 
     @property
     def torch_device(self) -> torch.device:

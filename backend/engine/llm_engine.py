@@ -145,6 +145,16 @@ class LLMEngine:
                     raise dead from e
             raise
 
+    def check_health(self) -> str | None:
+        """None while the engine can serve; else why not (for good). Between steps (the serving loop asks when
+        idle): a tensor-parallel rank that died since the last step is found here, not at the next request."""
+        if self.fatal_error is None and self.ranks is not None:
+            try:
+                self.ranks.check(remote=True)
+            except RankFailure as e:
+                self.fatal_error = str(e)
+        return self.fatal_error
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to stop without them). No step runs after."""
         if self.ranks is not None:
