@@ -57,6 +57,10 @@ class QuantLinear(LoRALinear):
         return torch.cat([w.dequantize(dtype) if not isinstance(w, QuantizedWeight) else dequantize(w, dtype)
                           for _, w in self.parts])
 
+    def quantized_weights(self) -> list:
+        """The QuantizedWeight parts (not yet re-laid out): what loom.engine.worker.memory_plan.model_bytes counts."""
+        return [w for _, w in self.parts if isinstance(w, QuantizedWeight)]
+
     def map_parts(self, fn) -> None:
         """Replace each part's weight by fn(weight) (engine/worker/cpu.py: the CPU re-layout)."""
         self.parts = [(start, fn(w)) for start, w in self.parts]
@@ -86,8 +90,10 @@ def concat_out(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
         return None
 
     scale_dtype = first.scale.dtype if all(w.scale.dtype == first.scale.dtype for w in weights) else torch.float32
-    same_single = first.block is None and all(w.scale.shape[0] == 1 and torch.equal(w.scale, first.scale) and
-                                              (w.zero is None or torch.equal(w.zero, first.zero)) for w in weights)
+    # (meta weights, loom.engine.worker.memory_plan: values unknown, slices' per-tensor scales taken as distinct)
+    same_single = first.block is None and not first.scale.is_meta and all(
+        w.scale.shape[0] == 1 and torch.equal(w.scale, first.scale) and
+        (w.zero is None or torch.equal(w.zero, first.zero)) for w in weights)
 
     def rows(w: QuantizedWeight, t: torch.Tensor) -> torch.Tensor:
         """Block-wise rows as they are; otherwise a row per output column (a per-tensor one expanded)."""

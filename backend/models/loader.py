@@ -91,14 +91,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         raise ConfigError("tensor_parallel_size", f"{arch} is not served with tensor_parallel_size > 1 yet "
                           f"(served: {sorted(TENSOR_PARALLEL_ARCHITECTURES)})")
     files = safetensors_files(model_dir)
-    with torch.device("meta"):
-        model = SUPPORTED_ARCHITECTURES[arch](cfg, max_position, tp=tp)
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
-    # weights at the peak); the rope caches are rebuilt below in float32.
-    model = model.to(dtype=dtype).to_empty(device=device)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):  # non-persistent buffers are lost by to_empty()
-            m.rebuild(device)
+    # weights at the peak); the rope caches are rebuilt in float32.
+    model = materialize(build_meta_model(cfg, max_position, tp, dtype), device)
     # A tied config whose checkpoint still carries its own lm_head.weight: transformers ties the two only if
     # they are equal, else it keeps both (and warns). Load both, then decide the same way.
     tied_with_head = model.tie_word_embeddings and any(_has_tensor(f, "lm_head.weight") for f in files)
@@ -114,7 +109,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         checkpoint_tensors(files, quant, ModelLoadError)
     # quantized linear weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
     # weight-only GEMM on CPU), else they are dequantised here; module -> its slices' (first row, weight)
-    keep_quantized = quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
+    keep_quantized = keeps_quantized(quant, tp, device, dtype)
     quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
     for path, name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
@@ -158,6 +153,41 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     return model, cfg
 
 
+def build_meta_model(cfg, max_position: int, tp, dtype: torch.dtype):
+    """The model of a config on the meta device, its parameters in `dtype`: every tensor shaped, nothing allocated
+    (the loader materialises it; loom.engine.worker.memory_plan counts its bytes without weights). tp: a rank group,
+    or any object with `rank` and `world_size` (what the layers' shapes depend on), or None."""
+    with torch.device("meta"):
+        return SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position, tp=tp).to(dtype=dtype)
+
+
+def materialize(model, device):
+    """A meta model's tensors allocated (uninitialised) on `device`, the rope caches rebuilt there in float32
+    (non-persistent buffers are lost by to_empty())."""
+    model = model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.rebuild(device)
+    return model
+
+
+def keeps_quantized(quant, tp, device, dtype: torch.dtype) -> bool:
+    """Whether a quantized checkpoint's linear weights stay quantized (QuantLinear) or are dequantised into `dtype` at
+    load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU), not
+    under tensor parallelism (a shard of packed rows is not read yet)."""
+    return quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
+
+
+def checkpoint_slices(arch: str, module_name: str, module) -> list[tuple[str, int, int]]:
+    """(checkpoint module name, first row, rows) of each checkpoint linear a LoRALinear of ours holds: q/k/v of
+    qkv_proj and gate/up of gate_up_proj, one each (Phi-3 stores them fused, as we do), else the module itself."""
+    pre, _, proj = module_name.rpartition(".")
+    offsets = module.slice_offsets
+    if proj in _FUSED and arch != "Phi3ForCausalLM":
+        return [(f"{pre}.{n}", offsets[i], offsets[i + 1] - offsets[i]) for i, n in enumerate(_FUSED[proj])]
+    return [(module_name, 0, offsets[-1])]
+
+
 def _quantized_slice(model, target: str, pieces: list) -> int | None:
     """The first output row of a quantized checkpoint tensor in a LoRALinear's weight (a slice of a fused one, or the
     whole), if the layer can hold it quantized (not tensor-parallel: a shard of packed rows is not read yet)."""
@@ -185,10 +215,19 @@ def _quant_linear(model, params: dict, module_name: str, parts: list, device) ->
         for start, qw in parts:
             weight.data[start:start + qw.shape[0]].copy_(dequantize(qw, weight.dtype))
         return
+    install_quant_linear(model, module_name, parts, device)
+
+
+def install_quant_linear(model, module_name: str, parts: list, device) -> None:
+    """The LoRALinear `module_name` replaced by a QuantLinear over `parts` ((first output row, QuantizedWeight) pairs
+    covering its rows in order), concatenated into one weight where they can be; used by the loader and by the
+    memory plan (meta weights: the same layout, hence the same bytes)."""
+    base = model.get_submodule(module_name)
+    parts = sorted(parts, key=lambda p: p[0])
     fused = concat_out([qw for _, qw in parts])
     if fused is not None:
         parts = [(0, fused)]
-    else:
+    elif torch.device(device).type != "meta":
         log.info("%s: its slices' quantization differs (format, groups or act-order): one GEMM per slice",
                  module_name)
     parent_name, _, child = module_name.rpartition(".")
@@ -220,8 +259,8 @@ def _has_tensor(path: str, name: str) -> bool:
 # checkpoint names -> ours: Mixtral's legacy block name, one expert's projection, one slice of a fused linear
 _MIXTRAL_BLOCK = re.compile(r"\.block_sparse_moe\.")
 _EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_SLICES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SLICES = {name: (fused, i) for fused, names in _FUSED.items() for i, name in enumerate(names)}
 _SLICE = re.compile(r"^(?P<pre>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 
 
