@@ -14,11 +14,13 @@ from transformers import AutoConfig
 from loom.errors import ConfigError
 from loom.kernels.policy import REFERENCE, decide
 from loom.layers.linear import ALL, LoRALinear
+from loom.layers.moe import Experts
+from loom.layers.quant_experts import QuantExperts
 from loom.layers.quant_linear import QuantLinear, concat_out
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
-from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize
+from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize, quantized_modules
 from loom.models.spec import ModelSpec
 
 log = logging.getLogger("loom")
@@ -91,9 +93,19 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         raise ConfigError("tensor_parallel_size", f"{arch} is not served with tensor_parallel_size > 1 yet "
                           f"(served: {sorted(TENSOR_PARALLEL_ARCHITECTURES)})")
     files = safetensors_files(model_dir)
+    model = build_meta_model(cfg, max_position, tp, dtype)
+    quant = model.spec.quant
+    # quantized weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
+    # weight-only GEMM on CPU), else they are dequantised here. Kept: the float weights of the layers (and MoE
+    # experts) the checkpoint stores wholly quantized are never allocated (they stay on the meta device until their
+    # module is replaced by a QuantLinear / QuantExperts): the load's peak is the quantized model, not the float one.
+    keep_quantized = keeps_quantized(quant, tp, device, dtype)
+    stored = quantized_modules(files, quant) if keep_quantized else {}
+    kept_linears, kept_experts = _kept_quantized(model, stored)
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
     # weights at the peak); the rope caches are rebuilt in float32.
-    model = materialize(build_meta_model(cfg, max_position, tp, dtype), device)
+    model = materialize(model, device, [f"{n}.weight" for n in kept_linears] +
+                        [f"{n}.{w}" for n in kept_experts for w in ("gate_up_proj", "down_proj")])
     # A tied config whose checkpoint still carries its own lm_head.weight: transformers ties the two only if
     # they are equal, else it keeps both (and warns). Load both, then decide the same way.
     tied_with_head = model.tie_word_embeddings and any(_has_tensor(f, "lm_head.weight") for f in files)
@@ -104,19 +116,22 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
     # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError);
     # under tensor parallelism an unquantized tensor comes as a lazy slice: only the rows a rank holds are read
-    quant = model.spec.quant
     tensors = _lazy_tensors(files) if tp is not None and quant is None else \
         checkpoint_tensors(files, quant, ModelLoadError)
-    # quantized linear weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
-    # weight-only GEMM on CPU), else they are dequantised here; module -> its slices' (first row, weight)
-    keep_quantized = keeps_quantized(quant, tp, device, dtype)
-    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # linear module -> its slices' (first row, weight)
+    experts: dict[str, dict[tuple[int, str], QuantizedWeight]] = {}  # experts module -> (expert, gate/up/down) -> w
     for path, name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
         target, pieces = _place(model, params, name)
         if target is None:
             raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
+        slot = _expert_slot(name) if isinstance(tensor, QuantizedWeight) else None
+        if slot is not None and slot[0] in kept_experts:  # the experts become a QuantExperts once all are read
+            experts.setdefault(slot[0], {})[slot[1:]] = tensor
+            for index, _ in pieces:
+                covered[target][index[:covered[target].dim()]] = True
+            continue
         if isinstance(tensor, QuantizedWeight):
             start = _quantized_slice(model, target, pieces) if keep_quantized else None
             if start is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
@@ -138,6 +153,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
             covered[target][index[:covered[target].dim()]] = True
     for module_name, parts in quantized.items():
         _quant_linear(model, params, module_name, parts, device)
+    for module_name, slots in experts.items():
+        install_quant_experts(model, module_name, slots, device)
+    unread = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if unread:  # a kept layer that was not replaced: its checkpoint tensors did not come as its module expects
+        raise ModelLoadError(f"{model_dir}: quantized weights of {unread[:8]} were not read as quantized")
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:
@@ -161,10 +181,17 @@ def build_meta_model(cfg, max_position: int, tp, dtype: torch.dtype):
         return SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position, tp=tp).to(dtype=dtype)
 
 
-def materialize(model, device):
+def materialize(model, device, keep_meta: list[str] = ()):
     """A meta model's tensors allocated (uninitialised) on `device`, the rope caches rebuilt there in float32
-    (non-persistent buffers are lost by to_empty())."""
+    (non-persistent buffers are lost by to_empty()); the parameters named in keep_meta left unallocated."""
+    held = []
+    for name in keep_meta:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        held.append((module, attr, module._parameters.pop(attr)))
     model = model.to_empty(device=device)
+    for module, attr, p in held:
+        module._parameters[attr] = p
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.rebuild(device)
@@ -176,6 +203,57 @@ def keeps_quantized(quant, tp, device, dtype: torch.dtype) -> bool:
     load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU), not
     under tensor parallelism (a shard of packed rows is not read yet)."""
     return quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
+
+
+def expert_checkpoint_names(arch: str, experts_name: str, expert: int) -> dict[str, str]:
+    """gate / up / down -> the checkpoint module of one expert's projection (Mixtral: block_sparse_moe ... w1 / w3 /
+    w2; Qwen3-MoE: mlp.experts ... gate_proj / up_proj / down_proj)."""
+    if arch == "MixtralForCausalLM":
+        pre = experts_name.replace(".mlp.experts", ".block_sparse_moe.experts")
+        return {"gate": f"{pre}.{expert}.w1", "up": f"{pre}.{expert}.w3", "down": f"{pre}.{expert}.w2"}
+    return {p: f"{experts_name}.{expert}.{p}_proj" for p in ("gate", "up", "down")}
+
+
+def _expert_slot(name: str) -> tuple[str, int, str] | None:
+    """(our experts module, expert, gate / up / down) of a checkpoint tensor of one expert's projection."""
+    m = _EXPERT.match(_MIXTRAL_BLOCK.sub(".mlp.", name))
+    if m is None:
+        return None
+    proj = m.group("proj")
+    part = "down" if proj in ("w2", "down_proj") else "gate" if proj in ("w1", "gate_proj") else "up"
+    return m.group("pre"), int(m.group("e")), part
+
+
+def _kept_quantized(model, stored: dict) -> tuple[list[str], list[str]]:
+    """(linear modules, experts modules) whose every checkpoint weight is stored quantized: held quantized, their
+    float weights never allocated. A module only some of whose weights are quantized is dequantised at load."""
+    if not stored:
+        return [], []
+    arch = model.spec.arch
+    linears, experts = [], []
+    for name, module in model.named_modules():
+        if type(module) is LoRALinear and all(n in stored for n, _, _ in checkpoint_slices(arch, name, module)):
+            linears.append(name)
+        elif type(module) is Experts and all(n in stored for e in range(module.num_experts)
+                                             for n in expert_checkpoint_names(arch, name, e).values()):
+            experts.append(name)
+    return linears, experts
+
+
+def install_quant_experts(model, experts_name: str, slots: dict, device) -> None:
+    """The Experts `experts_name` replaced by a QuantExperts over slots ((expert, gate / up / down) -> weight): each
+    expert's gate and up concatenated into one weight where they can be; used by the loader and the memory plan."""
+    base = model.get_submodule(experts_name)
+    inter = base.intermediate_size
+    gate_up, down = [], []
+    for e in range(base.num_experts):
+        gate, up = slots[(e, "gate")], slots[(e, "up")]
+        fused = concat_out([gate, up])
+        parts = [(0, fused)] if fused is not None else [(0, gate), (inter, up)]
+        gate_up.append([(start, _on_device(w, device)) for start, w in parts])
+        down.append(_on_device(slots[(e, "down")], device))
+    parent_name, _, child = experts_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, QuantExperts(base, gate_up, down))
 
 
 def checkpoint_slices(arch: str, module_name: str, module) -> list[tuple[str, int, int]]:

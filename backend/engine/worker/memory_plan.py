@@ -139,21 +139,34 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
 
 
 def quantize_meta(model, quant, checkpoint_dtype: torch.dtype) -> None:
-    """Each linear layer the checkpoint stores quantized made a QuantLinear over meta weights of the format's layout
-    (loom.models.loader.install_quant_linear, as the loader does): a layer only some of whose slices are quantized is
-    dequantised at load, as the loader does."""
+    """Each linear layer (and MoE experts module) the checkpoint stores quantized made a QuantLinear (QuantExperts)
+    over meta weights of the format's layout, by the loader's own install_quant_linear / install_quant_experts: a
+    layer only some of whose weights are quantized is dequantised at load, as the loader does."""
     from loom.layers.linear import LoRALinear
-    from loom.models.loader import checkpoint_slices, install_quant_linear
+    from loom.layers.moe import Experts
+    from loom.models.loader import (
+        checkpoint_slices,
+        expert_checkpoint_names,
+        install_quant_experts,
+        install_quant_linear,
+    )
 
     arch = model.spec.arch
     for name, module in list(model.named_modules()):
-        if type(module) is not LoRALinear:
-            continue
-        slices = checkpoint_slices(arch, name, module)
-        if all(quant.quantizes(n) for n, _, _ in slices):
-            parts = [(start, quant.layout(n, (rows, module.in_features), checkpoint_dtype))
-                     for n, start, rows in slices]
-            install_quant_linear(model, name, parts, "meta")
+        if type(module) is LoRALinear:
+            slices = checkpoint_slices(arch, name, module)
+            if all(quant.quantizes(n) for n, _, _ in slices):
+                parts = [(start, quant.layout(n, (rows, module.in_features), checkpoint_dtype))
+                         for n, start, rows in slices]
+                install_quant_linear(model, name, parts, "meta")
+        elif type(module) is Experts:
+            hidden, inter = module.down_proj.shape[1], module.intermediate_size
+            shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+            names = {e: expert_checkpoint_names(arch, name, e) for e in range(module.num_experts)}
+            if all(quant.quantizes(n) for by_part in names.values() for n in by_part.values()):
+                slots = {(e, part): quant.layout(n, shapes[part], checkpoint_dtype)
+                         for e, by_part in names.items() for part, n in by_part.items()}
+                install_quant_experts(model, name, slots, "meta")
 
 
 def _rebuild_rope(model) -> None:
