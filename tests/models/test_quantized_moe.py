@@ -100,3 +100,25 @@ def test_float_weights_of_kept_layers_are_never_allocated(tmp_path, monkeypatch)
     monkeypatch.setattr(loader, "QuantLinear", linear)
     loader.load_model(path, torch.float32, torch.device("cpu"), 64)
     assert len(seen) == 2 * 3 and all(seen)  # per layer: q|k|v, o_proj, the experts (the router stays float)
+
+
+def test_expert_lora_on_quantized_experts(tmp_path):
+    """A PEFT adapter on the experts and attention, trained on the dequantised base (QLoRA's way), served on the
+    quantized one: PEFT's tokens on the dequantised base."""
+    from harness.hf_models import make_peft_adapter, peft_model
+
+    float_model, path = _make(tmp_path, "ct-w8a16-channel", "qwen3_moe", ("ct", "W8A16", None))
+    base = oracle(float_model, path, tmp_path)
+    base_dir = os.path.join(str(tmp_path), os.path.basename(path) + "-dequantised")
+    root = tmp_path / "adapters"
+    ad = make_peft_adapter(base_dir, str(root / "a"), seed=4, r=3, alpha=6, target_modules=["q_proj"],
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    llm = LLM(path, block_size=16, kv_cache_memory_bytes=KV, adapter_roots=[str(root)], max_lora_rank=8,
+              lora_expert_memory_bytes=16 << 20, cpu_threads=1)
+    assert isinstance(llm.engine.runner.model.model.layers[0].mlp.experts, QuantExperts)
+    names = ["a", None]
+    oracles = {None: base, "a": peft_model(base_dir, ad)}
+    prompts = random_prompts([9, 4], base.config.vocab_size, seed=23)
+    outs = check(llm, base, prompts, 5, lora_names=names, oracle=lambda i: oracles[names[i]])
+    assert outs[0].token_ids != check(llm, base, prompts[:1], 5)[0].token_ids  # the adapter matters
+    llm.close()

@@ -99,6 +99,7 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
     kv_cache_memory_bytes (or 1 GiB). kv_tokens: the KV tokens wanted (0: max_model_len). quantization_config: in
     place of the checkpoint's (None: unquantized; a dict as config.json holds one: a what-if)."""
     from loom.models.loader import build_meta_model, checkpoint_dtype, keeps_quantized, load_hf_config
+    from loom.models.quant import METHODS
 
     cfg = load_hf_config(model_dir)
     if quantization_config is not ...:
@@ -113,7 +114,8 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
         spec = model.spec
         if spec.quant is not None:
             keep = keeps_quantized(spec.quant, None if n == 1 else RankShape(rank, n), device, dtype)
-            quant = f"{type(spec.quant).__name__}, " + ("kept quantized" if keep else "dequantised at load")
+            name = next(k for k, v in METHODS.items() if isinstance(spec.quant, v))
+            quant = f"{name}, " + ("kept quantized" if keep else f"dequantised into {str(dtype)[6:]} at load")
             if keep:
                 quantize_meta(model, spec.quant, checkpoint_dtype(cfg) or torch.float32)
         _rebuild_rope(model)
