@@ -1,7 +1,6 @@
 """Load an HF model directory as is: config.json + single or sharded safetensors (never pickle)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -12,15 +11,22 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from loom.errors import ConfigError
-from loom.kernels.policy import REFERENCE, decide
-from loom.layers.linear import ALL, LoRALinear
-from loom.layers.moe import Experts
-from loom.layers.quant_experts import QuantExperts
-from loom.layers.quant_linear import QuantLinear, concat_out
+from loom.layers.linear import ALL
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
 from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize, quantized_modules
+from loom.models.quant_layers import (
+    EXPERT,
+    FUSED,
+    MIXTRAL_BLOCK,
+    expert_slot,
+    install_quant_experts,
+    keeps_quantized,
+    kept_quantized,
+    place_quant_linear,
+    quantized_slice,
+)
 from loom.models.spec import ModelSpec
 
 log = logging.getLogger("loom")
@@ -101,7 +107,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     # module is replaced by a QuantLinear / QuantExperts): the load's peak is the quantized model, not the float one.
     keep_quantized = keeps_quantized(quant, tp, device, dtype)
     stored = quantized_modules(files, quant) if keep_quantized else {}
-    kept_linears, kept_experts = _kept_quantized(model, stored)
+    kept_linears, kept_experts = kept_quantized(model, stored)
+    if quant is not None:
+        why = "tensor parallelism: a shard of packed rows is not read yet" if tp is not None else \
+            "no quantized kernel for this device and dtype, kernels/policy.py"
+        log.info("%s checkpoint: %s", type(quant).__name__,
+                 f"{len(kept_linears)} linear layers and {len(kept_experts)} MoE experts modules kept quantized"
+                 if keep_quantized else f"its weights dequantised into {str(dtype)[6:]} at load ({why})")
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
     # weights at the peak); the rope caches are rebuilt in float32.
     model = materialize(model, device, [f"{n}.weight" for n in kept_linears] +
@@ -126,14 +138,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         target, pieces = _place(model, params, name)
         if target is None:
             raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
-        slot = _expert_slot(name) if isinstance(tensor, QuantizedWeight) else None
+        slot = expert_slot(name) if isinstance(tensor, QuantizedWeight) else None
         if slot is not None and slot[0] in kept_experts:  # the experts become a QuantExperts once all are read
             experts.setdefault(slot[0], {})[slot[1:]] = tensor
             for index, _ in pieces:
                 covered[target][index[:covered[target].dim()]] = True
             continue
         if isinstance(tensor, QuantizedWeight):
-            start = _quantized_slice(model, target, pieces) if keep_quantized else None
+            start = quantized_slice(model, target, pieces) if keep_quantized else None
             if start is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
                 quantized.setdefault(target[: -len(".weight")], []).append((start, tensor))
                 for index, _ in pieces:
@@ -152,7 +164,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                 dst.copy_(part)  # cast on the way (a float32 checkpoint into bf16: per tensor)
             covered[target][index[:covered[target].dim()]] = True
     for module_name, parts in quantized.items():
-        _quant_linear(model, params, module_name, parts, device)
+        place_quant_linear(model, params, module_name, parts, device)
     for module_name, slots in experts.items():
         install_quant_experts(model, module_name, slots, device)
     unread = sorted(n for n, p in model.named_parameters() if p.is_meta)
@@ -198,129 +210,6 @@ def materialize(model, device, keep_meta: list[str] = ()):
     return model
 
 
-def keeps_quantized(quant, tp, device, dtype: torch.dtype) -> bool:
-    """Whether a quantized checkpoint's linear weights stay quantized (QuantLinear) or are dequantised into `dtype` at
-    load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU), not
-    under tensor parallelism (a shard of packed rows is not read yet)."""
-    return quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
-
-
-def expert_checkpoint_names(arch: str, experts_name: str, expert: int) -> dict[str, str]:
-    """gate / up / down -> the checkpoint module of one expert's projection (Mixtral: block_sparse_moe ... w1 / w3 /
-    w2; Qwen3-MoE: mlp.experts ... gate_proj / up_proj / down_proj)."""
-    if arch == "MixtralForCausalLM":
-        pre = experts_name.replace(".mlp.experts", ".block_sparse_moe.experts")
-        return {"gate": f"{pre}.{expert}.w1", "up": f"{pre}.{expert}.w3", "down": f"{pre}.{expert}.w2"}
-    return {p: f"{experts_name}.{expert}.{p}_proj" for p in ("gate", "up", "down")}
-
-
-def _expert_slot(name: str) -> tuple[str, int, str] | None:
-    """(our experts module, expert, gate / up / down) of a checkpoint tensor of one expert's projection."""
-    m = _EXPERT.match(_MIXTRAL_BLOCK.sub(".mlp.", name))
-    if m is None:
-        return None
-    proj = m.group("proj")
-    part = "down" if proj in ("w2", "down_proj") else "gate" if proj in ("w1", "gate_proj") else "up"
-    return m.group("pre"), int(m.group("e")), part
-
-
-def _kept_quantized(model, stored: dict) -> tuple[list[str], list[str]]:
-    """(linear modules, experts modules) whose every checkpoint weight is stored quantized: held quantized, their
-    float weights never allocated. A module only some of whose weights are quantized is dequantised at load."""
-    if not stored:
-        return [], []
-    arch = model.spec.arch
-    linears, experts = [], []
-    for name, module in model.named_modules():
-        if type(module) is LoRALinear and all(n in stored for n, _, _ in checkpoint_slices(arch, name, module)):
-            linears.append(name)
-        elif type(module) is Experts and all(n in stored for e in range(module.num_experts)
-                                             for n in expert_checkpoint_names(arch, name, e).values()):
-            experts.append(name)
-    return linears, experts
-
-
-def install_quant_experts(model, experts_name: str, slots: dict, device) -> None:
-    """The Experts `experts_name` replaced by a QuantExperts over slots ((expert, gate / up / down) -> weight): each
-    expert's gate and up concatenated into one weight where they can be; used by the loader and the memory plan."""
-    base = model.get_submodule(experts_name)
-    inter = base.intermediate_size
-    gate_up, down = [], []
-    for e in range(base.num_experts):
-        gate, up = slots[(e, "gate")], slots[(e, "up")]
-        fused = concat_out([gate, up])
-        parts = [(0, fused)] if fused is not None else [(0, gate), (inter, up)]
-        gate_up.append([(start, _on_device(w, device)) for start, w in parts])
-        down.append(_on_device(slots[(e, "down")], device))
-    parent_name, _, child = experts_name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, QuantExperts(base, gate_up, down))
-
-
-def checkpoint_slices(arch: str, module_name: str, module) -> list[tuple[str, int, int]]:
-    """(checkpoint module name, first row, rows) of each checkpoint linear a LoRALinear of ours holds: q/k/v of
-    qkv_proj and gate/up of gate_up_proj, one each (Phi-3 stores them fused, as we do), else the module itself."""
-    pre, _, proj = module_name.rpartition(".")
-    offsets = module.slice_offsets
-    if proj in _FUSED and arch != "Phi3ForCausalLM":
-        return [(f"{pre}.{n}", offsets[i], offsets[i + 1] - offsets[i]) for i, n in enumerate(_FUSED[proj])]
-    return [(module_name, 0, offsets[-1])]
-
-
-def _quantized_slice(model, target: str, pieces: list) -> int | None:
-    """The first output row of a quantized checkpoint tensor in a LoRALinear's weight (a slice of a fused one, or the
-    whole), if the layer can hold it quantized (not tensor-parallel: a shard of packed rows is not read yet)."""
-    if not target.endswith(".weight") or len(pieces) != 1 or pieces[0][1] != ALL:
-        return None
-    module = model.get_submodule(target[: -len(".weight")])
-    if type(module) is not LoRALinear:
-        return None
-    index = pieces[0][0]
-    return 0 if index == ALL else index[0].start
-
-
-def _quant_linear(model, params: dict, module_name: str, parts: list, device) -> None:
-    """Put a QuantLinear in place of the LoRALinear whose slices `parts` are: one weight where they concatenate,
-    else one GEMM per part; a module some of whose slices the checkpoint stores unquantized gets its quantized ones
-    dequantised into its weight (logged)."""
-    base = model.get_submodule(module_name)
-    parts = sorted(parts, key=lambda p: p[0])
-    starts = [0]
-    for _, qw in parts:
-        starts.append(starts[-1] + qw.shape[0])
-    if [s for s, _ in parts] != starts[:-1] or starts[-1] != base.slice_offsets[-1]:
-        log.warning("%s: only some of its slices are quantized in the checkpoint: dequantised at load", module_name)
-        weight = params[f"{module_name}.weight"]
-        for start, qw in parts:
-            weight.data[start:start + qw.shape[0]].copy_(dequantize(qw, weight.dtype))
-        return
-    install_quant_linear(model, module_name, parts, device)
-
-
-def install_quant_linear(model, module_name: str, parts: list, device) -> None:
-    """The LoRALinear `module_name` replaced by a QuantLinear over `parts` ((first output row, QuantizedWeight) pairs
-    covering its rows in order), concatenated into one weight where they can be; used by the loader and by the
-    memory plan (meta weights: the same layout, hence the same bytes)."""
-    base = model.get_submodule(module_name)
-    parts = sorted(parts, key=lambda p: p[0])
-    fused = concat_out([qw for _, qw in parts])
-    if fused is not None:
-        parts = [(0, fused)]
-    elif torch.device(device).type != "meta":
-        log.info("%s: its slices' quantization differs (format, groups or act-order): one GEMM per slice",
-                 module_name)
-    parent_name, _, child = module_name.rpartition(".")
-    layer = QuantLinear(base, [(start, _on_device(qw, device)) for start, qw in parts])
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-
-
-def _on_device(qw: QuantizedWeight, device) -> QuantizedWeight:
-    def move(t):
-        return None if t is None else t.to(device)
-
-    return dataclasses.replace(qw, weight=move(qw.weight), scale=move(qw.scale), zero=move(qw.zero),
-                               g_idx=move(qw.g_idx))
-
-
 def _lazy_tensors(files: list[str]):
     """(path, name, safetensors slice) of every tensor: indexing a slice reads only those rows/columns."""
     for path in files:
@@ -335,10 +224,7 @@ def _has_tensor(path: str, name: str) -> bool:
 
 
 # checkpoint names -> ours: Mixtral's legacy block name, one expert's projection, one slice of a fused linear
-_MIXTRAL_BLOCK = re.compile(r"\.block_sparse_moe\.")
-_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_SLICES = {name: (fused, i) for fused, names in _FUSED.items() for i, name in enumerate(names)}
+_SLICES = {name: (fused, i) for fused, names in FUSED.items() for i, name in enumerate(names)}
 _SLICE = re.compile(r"^(?P<pre>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 
 
@@ -351,8 +237,8 @@ def _place(model, params: dict, name: str) -> tuple[str | None, list]:
     q/k/v and gate/up tensors fill their slice; per-expert tensors (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj)
     fill one expert's rows of the stacked experts.gate_up_proj / down_proj, which transformers 5 files also hold
     whole."""
-    name = _MIXTRAL_BLOCK.sub(".mlp.", name)
-    m = _EXPERT.match(name)
+    name = MIXTRAL_BLOCK.sub(".mlp.", name)
+    m = EXPERT.match(name)
     if m:
         experts_name = m.group("pre")
         if f"{experts_name}.gate_up_proj" not in params:

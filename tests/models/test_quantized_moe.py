@@ -84,6 +84,7 @@ def test_float_weights_of_kept_layers_are_never_allocated(tmp_path, monkeypatch)
     """The load's peak is the quantized model: the float weights of the layers and experts kept quantized stay on
     the meta device until their module is replaced (Mixtral-8x7B FP8 on one 80 GB GPU could not load otherwise)."""
     import loom.models.loader as loader
+    import loom.models.quant_layers as quant_layers
 
     _, path = _make(tmp_path, "ct-w4a16-g128", "mixtral", ("ct", "W4A16", None))
     seen = []
@@ -96,8 +97,8 @@ def test_float_weights_of_kept_layers_are_never_allocated(tmp_path, monkeypatch)
         seen.append(base.weight.is_meta)
         return QuantLinear(base, parts)
 
-    monkeypatch.setattr(loader, "QuantExperts", experts)
-    monkeypatch.setattr(loader, "QuantLinear", linear)
+    monkeypatch.setattr(quant_layers, "QuantExperts", experts)
+    monkeypatch.setattr(quant_layers, "QuantLinear", linear)
     loader.load_model(path, torch.float32, torch.device("cpu"), 64)
     assert len(seen) == 2 * 3 and all(seen)  # per layer: q|k|v, o_proj, the experts (the router stays float)
 
@@ -122,3 +123,20 @@ def test_expert_lora_on_quantized_experts(tmp_path):
     outs = check(llm, base, prompts, 5, lora_names=names, oracle=lambda i: oracles[names[i]])
     assert outs[0].token_ids != check(llm, base, prompts[:1], 5)[0].token_ids  # the adapter matters
     llm.close()
+
+
+def test_tensor_parallel_dequantises_at_load_and_the_plan_says_so(tmp_path):
+    """Under tensor parallelism a shard of packed rows is not read yet: each rank's slice of the dequantised weights
+    (experts included), which the plan counts per rank."""
+    from loom.engine.worker.memory_plan import RankShape, model_bytes
+    from loom.models.loader import load_model
+
+    _, path = _make(tmp_path, "ct-w4a16-g128", "mixtral", ("ct", "W4A16", None))
+    p = plan(path, EngineConfig(model=path, dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2))
+    assert "dequantised" in p.quantization
+    sizes = []
+    for rank in range(2):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), 64, tp=RankShape(rank, 2))
+        assert not any(isinstance(m, (QuantExperts, QuantLinear)) for m in model.modules())
+        sizes.append(model_bytes(model))
+    assert p.weight_bytes == max(sizes)

@@ -98,8 +98,9 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
     gpu_memory_bytes less the weights and the reserve estimate, unless kv_cache_memory_bytes is given; on CPU it is
     kv_cache_memory_bytes (or 1 GiB). kv_tokens: the KV tokens wanted (0: max_model_len). quantization_config: in
     place of the checkpoint's (None: unquantized; a dict as config.json holds one: a what-if)."""
-    from loom.models.loader import build_meta_model, checkpoint_dtype, keeps_quantized, load_hf_config
+    from loom.models.loader import build_meta_model, checkpoint_dtype, load_hf_config
     from loom.models.quant import METHODS
+    from loom.models.quant_layers import keeps_quantized
 
     cfg = load_hf_config(model_dir)
     if quantization_config is not ...:
@@ -146,7 +147,7 @@ def quantize_meta(model, quant, checkpoint_dtype: torch.dtype) -> None:
     layer only some of whose weights are quantized is dequantised at load, as the loader does."""
     from loom.layers.linear import LoRALinear
     from loom.layers.moe import Experts
-    from loom.models.loader import (
+    from loom.models.quant_layers import (
         checkpoint_slices,
         expert_checkpoint_names,
         install_quant_experts,
