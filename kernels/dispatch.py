@@ -157,3 +157,12 @@ def quant_linear(x, w, bias=None):
     if path == CPU and isinstance(w, PackedQuantWeight):
         return w(x, bias)
     return quant_linear_ref(x, w, bias)
+
+
+def quant_linear_parts(x, parts, bias=None):
+    """x @ W^T (+ bias) for a weight kept quantized as parts along the output dimension ((first row, weight) pairs in
+    order): one quant_linear each, concatenated."""
+    if len(parts) == 1:
+        return quant_linear(x, parts[0][1], bias)
+    y = torch.cat([quant_linear(x, w, None) for _, w in parts], dim=-1)
+    return y if bias is None else y + bias.to(y.dtype)

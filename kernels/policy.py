@@ -11,7 +11,8 @@
       start; AMX / avx512_bf16 where the CPU has them), where torch's oneDNN takes bfloat16 on this CPU and the
       forward is not compiled; LoRA, MoE experts and the one-call layer stay on the PyTorch path (float32 only).
     float16: the references. Every dtype's float32 logits take the C++ argmax.
-    Quantized checkpoints' linear layers keep their weights quantized (layers/quant_linear.py): the C++ weight-only
+    Quantized checkpoints' linear layers and MoE experts keep their weights quantized (layers/quant_linear.py,
+    layers/quant_experts.py): the C++ weight-only
     GEMM (int8 / int4 / FP8 dequantised in registers, float32 math) for float32 and bfloat16 models with the library
     built and an eager forward; Triton's weight-only kernel where Triton runs; dequantize + F.linear otherwise.
 An engine decides once at its start (`decide`; model_runner logs `describe`); kernels/dispatch.py asks `for_tensor`

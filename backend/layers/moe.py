@@ -3,7 +3,8 @@
 Routing is transformers': softmax over the router logits in float32, top-k of the probabilities, then (Mixtral
 always, Qwen3-MoE with norm_topk_prob) division by their sum; Qwen3-MoE rounds the weights to the model dtype.
 The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down; on CPU the engine packs
-them for the C++ GEMM instead, kernels/cpu_moe.py); a step in which some adapter carries expert LoRA
+them for the C++ GEMM instead, kernels/cpu_moe.py), or where a quantized checkpoint stores them, kept quantized in a
+layers/quant_experts.QuantExperts in place of Experts; a step in which some adapter carries expert LoRA
 (`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs `kernels.fused_moe_lora` instead (PyTorch,
 on every device).
 
@@ -106,7 +107,10 @@ class SparseMoeBlock(nn.Module):
             experts = meta.experts if meta is not None else None
             if experts is not None and experts.token_indices.numel() > 0:
                 lora = (e.lora_gate_up.lora_a, e.lora_gate_up.lora_b, e.lora_down.lora_a, e.lora_down.lora_b)
-                return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, experts)
+                w13, w2 = (e.gate_up_proj, e.down_proj) if isinstance(e, Experts) else e.dequantized(x.dtype)
+                return fused_moe_lora(x, w13, w2, weights, ids, lora, experts)
         if e.dense is not None:
             return e.dense(x, weights, ids)
+        if not isinstance(e, Experts):  # layers/quant_experts.QuantExperts: the quantized experts' own path
+            return e(x, weights, ids)
         return fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids)

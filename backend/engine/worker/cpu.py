@@ -193,10 +193,12 @@ def pack_linear_weights_bf16(model: nn.Module) -> int:
 
 
 def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
-    """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) for the C++ weight-only GEMM
+    """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) and QuantExperts
+    (layers/quant_experts.py) for the C++ weight-only GEMM
     (kernels/cpu_quant.PackedQuantWeight), dropping the checkpoint-layout copy; a part the kernel does not take
     keeps its QuantizedWeight (the reference runs it). Returns (layers re-laid out, bytes of their panels)."""
     from loom.kernels.cpu_quant import PackedQuantWeight, takes
+    from loom.layers.quant_experts import QuantExperts
     from loom.layers.quant_linear import QuantLinear
     from loom.models.quant.weight import QuantizedWeight
 
@@ -212,7 +214,7 @@ def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
         return packed
 
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, (QuantLinear, QuantExperts)):
             mod.map_parts(pack)
             n += 1
     return n, nbytes

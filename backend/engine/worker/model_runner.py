@@ -28,6 +28,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.worker import cpu
 from loom.engine.worker.compiled_forward import build_forward
+from loom.engine.worker.memory_plan import CPU_KV_BYTES, kv_blocks, kv_bytes_per_token, model_bytes
 from loom.kernels.cpu_memory import large_zeros
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
@@ -59,6 +60,9 @@ class ModelRunner:
         max_len = config.max_model_len or model_max  # sliding-window layers attend within their window
         self.max_model_len = max_len
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len, tp=tp)
+        self.weight_bytes = model_bytes(self.model)  # as loaded (scripts/plan_memory.py predicts it)
+        log.info("model: %.3f GiB%s as loaded (weights, rope tables)", self.weight_bytes / 2**30,
+                 f" on rank {tp.rank}" if tp is not None else "")
         self.vocab_size = hf_cfg.vocab_size
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_len // self.block_size)
@@ -126,8 +130,7 @@ class ModelRunner:
     # ---- KV sizing -----------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -137,8 +140,8 @@ class ModelRunner:
 
                 budget = kv_cache_budget(self)
             else:
-                budget = 1 << 30
-        n = budget // self.bytes_per_block
+                budget = CPU_KV_BYTES
+        n = kv_blocks(budget, self.bytes_per_block)
         if self.tp is not None:  # every rank holds the same blocks: as many as the smallest rank's memory holds
             n = self.tp.min_int(n)
         if n < 1:
