@@ -135,6 +135,8 @@ class EngineConfig:
         check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
               f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
+        check(tp == 1 or self.speculative_config is None or self.speculative_config.method != "draft_model",
+              "speculative_config.method", f"draft_model is not supported with tensor_parallel_size {tp} yet")
 
     @property
     def torch_device(self) -> torch.device:

@@ -16,7 +16,7 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "ngram"  # "ngram" (prompt lookup); "draft_model" is refused for now
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft_model" (a small model with the target's tokenizer)
     num_speculative_tokens: int = 4  # k: tokens proposed, and verified in one target forward, per sequence
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's prompt and output
     prompt_lookup_min: int = 2  # shortest one tried (n from max down to min; the first n that matches wins)
@@ -33,10 +33,12 @@ class SpeculativeConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         check(self.method in ("ngram", "draft_model"), "method", f"must be ngram or draft_model, got {self.method!r}")
-        check(self.method != "draft_model", "method",
-              "draft_model is not supported yet: use ngram (prompt lookup), which needs no second model")
-        check(isinstance(self.model, str) and not self.model, "model",
-              "is only for method draft_model, which is not supported yet; leave it empty for ngram")
+        check(isinstance(self.model, str), "model", f"must be a path (a string), got {type(self.model).__name__}")
+        if self.method == "draft_model":
+            check(bool(self.model), "model", "is required with method draft_model: the draft model's directory (a "
+                                             "smaller model with the target's tokenizer)")
+        else:
+            check(not self.model, "model", "is only for method draft_model; leave it empty for ngram")
         check(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
         check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
