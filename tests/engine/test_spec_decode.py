@@ -54,7 +54,7 @@ def test_ngram_proposes_what_followed_the_latest_match():
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
     ({"prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
     ({"method": "eagle"}, "speculative_config.method"),
-    ({"method": "draft_model", "model": "/m"}, "speculative_config.method"),
+    ({"method": "draft_model"}, "speculative_config.model"),
     ({"model": "/m"}, "speculative_config.model"),
     ({"disable_by_batch_size": -1}, "speculative_config.disable_by_batch_size"),
     ({"num_spec_tokens": 3}, "speculative_config.num_spec_tokens"),
