@@ -323,6 +323,7 @@ class LLMEngine:
         self._last_batch = []
         prev = self._inflight
         outputs: list[StepOutput] = []
+        generated = self.generation_tokens
         if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
             self._inflight = None
             outputs += self._finish_launched(prev)
@@ -350,6 +351,8 @@ class LLMEngine:
             self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
         outputs += self._finished_outputs
         self._finished_outputs = []
+        if self.spec is not None:  # the step's rate, for the measured back-off
+            self.spec.end_step(self.generation_tokens - generated)
         return outputs
 
     def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:

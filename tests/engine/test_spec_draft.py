@@ -21,11 +21,11 @@ from loom.errors import ConfigError
 from tests.engine.test_spec_decode import GREEDY, _chi2_ok, repetitive_prompts, run, spec_stats
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
-NGRAM = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=0)
+NGRAM = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, backoff="off")
 
 
 def draft_cfg(path: str, k: int = 3) -> dict:
-    return dict(method="draft_model", model=path, num_speculative_tokens=k, disable_by_batch_size=0)
+    return dict(method="draft_model", model=path, num_speculative_tokens=k, backoff="off")
 
 
 @pytest.fixture(scope="module")

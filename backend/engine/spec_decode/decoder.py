@@ -29,6 +29,7 @@ with one is not decode-only: no CUDA graph).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,7 @@ import torch
 from loom.engine.core.sequence import Sequence, SequenceStatus
 from loom.engine.outputs import SpecDecodingStats
 from loom.engine.sample.sampler import Sampler, SamplingBatch
+from loom.engine.spec_decode.backoff import BackOff
 from loom.engine.spec_decode.config import SpeculativeConfig
 from loom.engine.spec_decode.draft_model import FixedMask, Proposal
 from loom.engine.spec_decode.ngram import propose_ngram
@@ -71,6 +73,9 @@ class SpecDecoder:
         self.stats = SpecDecodingStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._prepared: dict[Sequence, Proposal] = {}  # draft model: this step's proposals, made by active()
         self._current: dict[Sequence, Proposal] = {}  # the proposals being verified this step
+        self.backoff = BackOff() if config.backoff == "measured" else None
+        self._step: tuple[int, bool, float] | None = None  # this step's (decode rows, speculated, start time)
+        self._pure = False  # this step has decode and verify rows only
 
     @classmethod
     def attach(cls, engine) -> "SpecDecoder":
@@ -82,13 +87,26 @@ class SpecDecoder:
 
     # ---- scheduling (loom.engine.core.scheduler.Drafter) ------------------------------------------------
     def active(self, running: list[Sequence]) -> bool:
+        """Called as a step is scheduled: whether it speculates (disable_by_batch_size, then the measured back-off);
+        a draft model proposes here for the whole step."""
+        decode = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1)
         limit = self.config.disable_by_batch_size
-        on = not limit or len(running) <= limit or \
-            sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1) <= limit
+        on = not limit or decode <= limit
+        if on and decode and self.backoff is not None:
+            on = self.backoff.choose(decode)
+        self._step = (decode, on, time.perf_counter())
+        self._pure = False
         self._prepared = {}
         if on and self.draft_model is not None:
             self._prepare(running)
         return on
+
+    def end_step(self, generated: int) -> None:
+        """The step's outputs are made: a decode-only step's rate goes to the back-off."""
+        if self.backoff is not None and self._step is not None and self._pure:
+            decode, on, t0 = self._step
+            self.backoff.observe(decode, on, generated, time.perf_counter() - t0)
+        self._step = None
 
     def _eligible(self, seq: Sequence) -> bool:
         return seq.params.speculative and seq.sampling_row >= 0 and seq.num_output_tokens > 0
@@ -180,6 +198,8 @@ class SpecDecoder:
 
     def after_forward(self, batch) -> None:
         """The target's forward of a step is queued (computed lengths not advanced yet): the draft's KV follows it."""
+        # decode rows and verify rows only: a step the back-off can compare with another of the same rows
+        self._pure = all(n == 1 or s.num_draft_tokens for s, n in zip(batch.seqs, batch.num_scheduled_tokens))
         if self.draft_model is not None:
             self.draft_model.mirror(batch)
 
