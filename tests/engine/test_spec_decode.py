@@ -182,19 +182,22 @@ def test_greedy_identical_on_the_default_model_with_stop_strings(default_model_d
 
 # ---- the back-off -----------------------------------------------------------------------------------------
 def test_backoff_follows_the_measured_rates_and_probes_the_other_choice():
-    from loom.engine.spec_decode.backoff import PROBE_EVERY, BackOff, bucket
+    from loom.engine.spec_decode.backoff import MIN_SAMPLES, PROBE_EVERY, BackOff, bucket
 
     assert [bucket(d) for d in (1, 2, 3, 4, 7, 8, 32)] == [1, 2, 2, 3, 3, 4, 6]
     b = BackOff()
-    assert b.choose(32) is True  # nothing measured: speculate, then plain, to measure both
-    b.observe(32, True, 40, 1.0)
-    assert b.choose(32) is False
-    b.observe(32, False, 32, 0.5)  # plain: 64 tokens/s beats speculation's 40
+    for _ in range(MIN_SAMPLES):  # nothing measured: speculate, then plain, in turn until each has its samples
+        assert b.choose(32) is True
+        b.observe(32, True, 40, 1.0)
+        assert b.choose(32) is False
+        b.observe(32, False, 32, 0.5)  # plain: 64 tokens/s beats speculation's 40
     picks = [b.choose(32) for _ in range(2 * PROBE_EVERY)]
-    assert picks.count(True) == 2 and not any(picks[:PROBE_EVERY - 3])  # one probe every PROBE_EVERY steps
-    assert b.choose(1) is True  # buckets are separate
-    b.observe(1, True, 4, 0.1)
-    b.observe(1, False, 1, 0.05)
+    assert picks.count(True) == 2 and not any(picks[:PROBE_EVERY - 2 * MIN_SAMPLES - 1])  # a probe every PROBE_EVERY
+    for _ in range(MIN_SAMPLES):  # buckets are separate
+        assert b.choose(1) is True
+        b.observe(1, True, 4, 0.1)
+        assert b.choose(1) is False
+        b.observe(1, False, 1, 0.05)
     assert b.choose(1) is True  # 40 tokens/s against 20
     for _ in range(12):  # acceptance falls: speculative steps of batch 1 now generate one token a step, slower
         b.observe(1, True, 1, 0.06)

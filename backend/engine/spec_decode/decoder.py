@@ -76,6 +76,7 @@ class SpecDecoder:
         self.backoff = BackOff() if config.backoff == "measured" else None
         self._step: tuple[int, bool, float] | None = None  # this step's (decode rows, speculated, start time)
         self._pure = False  # this step has decode and verify rows only
+        self._drafted = False  # ... and proposals were verified in it
 
     @classmethod
     def attach(cls, engine) -> "SpecDecoder":
@@ -96,7 +97,7 @@ class SpecDecoder:
             on = self.backoff.choose(decode)
         self._step = (decode, on, time.perf_counter())
         self._pure = False
-        self._prepared = {}
+        self._prepared, self._current = {}, {}  # (a failed step may have left some)
         if on and self.draft_model is not None:
             self._prepare(running)
         return on
@@ -105,7 +106,8 @@ class SpecDecoder:
         """The step's outputs are made: a decode-only step's rate goes to the back-off."""
         if self.backoff is not None and self._step is not None and self._pure:
             decode, on, t0 = self._step
-            self.backoff.observe(decode, on, generated, time.perf_counter() - t0)
+            if not on or self._drafted:  # a speculative step without proposals says nothing about speculation
+                self.backoff.observe(decode, on, generated, time.perf_counter() - t0)
         self._step = None
 
     def _eligible(self, seq: Sequence) -> bool:
@@ -200,6 +202,7 @@ class SpecDecoder:
         """The target's forward of a step is queued (computed lengths not advanced yet): the draft's KV follows it."""
         # decode rows and verify rows only: a step the back-off can compare with another of the same rows
         self._pure = all(n == 1 or s.num_draft_tokens for s, n in zip(batch.seqs, batch.num_scheduled_tokens))
+        self._drafted = bool(self._current)
         if self.draft_model is not None:
             self.draft_model.mirror(batch)
 

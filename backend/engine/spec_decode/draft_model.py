@@ -115,12 +115,17 @@ class DraftModel:
     def load(cls, config, target_dir: str):
         """The draft's runner (KV not allocated yet: allocate_kv(target's block count) once the target sized it)."""
         from loom.engine.worker.model_runner import ModelRunner
+        from loom.models.loader import load_hf_config
 
         path = config.speculative_config.model
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError("speculative_config.model", f"{path!r} is not a model directory (no config.json)")
+        # the target's context length: the draft's block tables are as wide as the target's
+        max_len = config.max_model_len or int(getattr(load_hf_config(target_dir), "max_position_embeddings", 4096)
+                                              or 4096)
         dcfg = replace(config, model=path, speculative_config=None, cuda_graphs=False, kv_cache_memory_bytes=0,
-                       lora_memory_bytes=0, lora_expert_memory_bytes=0, adapter_roots=[], adapter_sources=[])
+                       max_model_len=max_len, lora_memory_bytes=0, lora_expert_memory_bytes=0, adapter_roots=[],
+                       adapter_sources=[])
         runner = ModelRunner(dcfg, path, defer_kv=True)
         return cls(runner, runner.vocab_size)
 
