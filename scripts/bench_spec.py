@@ -146,7 +146,8 @@ def main(argv=None) -> int:
         ok = ok and (target is None or r_tps >= target)
         rows.append((kind, b, tps_b, tps_s, r_tps, sum(lb) / len(lb), sum(ls) / len(ls), r_lat, acc,
                      s1.num_drafts - s0.num_drafts, nb == ns, verdict))
-        print(f"  done {kind} batch {b}", flush=True)
+        print(f"  done {kind} batch {b}: {tps_b:.1f} -> {tps_s:.1f} tok/s ({r_tps:.2f}x), acceptance {acc:.2f}",
+              flush=True)
     peer = {}
     if args.vllm_python:
         k = spec.engine.config.speculative_config.num_speculative_tokens
