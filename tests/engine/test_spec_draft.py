@@ -226,3 +226,19 @@ def test_draft_model_sampled_tokens_follow_the_target_distribution(tmp_path):
     # seeded requests reproduce
     first, again = (spec.generate([prompt] * 8, params[:8]) for _ in range(2))
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_target_as_its_own_draft_accepts_everything_on_other_families(arch, tmp_path):
+    """Sliding windows, soft-capping, q/k/v biases: the draft's mirrored KV is the target's own, so in float32
+    greedy every proposal is accepted and the tokens are the plain engine's."""
+    _, path = make_hf_model(arch, tmp_path)
+    prompts = random_prompts([9, 40, 17], hf_config(arch).vocab_size, seed=12)
+    params = [SamplingParams(max_tokens=24, **GREEDY)] * len(prompts)
+    kw = dict(block_size=8, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    want = run(LLM(path, **kw), prompts, params)
+    spec = LLM(path, speculative_config=draft_cfg(path), **kw)
+    assert run(spec, prompts, params) == want
+    st = spec_stats(spec)
+    assert st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens, st
+    assert_no_leak(spec.engine)
