@@ -148,6 +148,8 @@ class EngineConfig:
         check(isinstance(self.master_port, int) and not isinstance(self.master_port, bool)
               and 0 <= self.master_port <= 65535, "master_port",
               f"must be a port in [0, 65535] (0 = $MASTER_PORT), got {self.master_port!r}")
+        check(tp == 1 or self.speculative_config is None or self.speculative_config.method != "draft_model",
+              "speculative_config.method", f"draft_model is not supported with tensor_parallel_size {tp} yet")
 
     @property
     def torch_device(self) -> torch.device:

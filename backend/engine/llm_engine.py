@@ -37,6 +37,7 @@ from loom.engine.sample.sampler import Sampler, SamplerOutput
 from loom.engine.sample.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.spec_decode.decoder import SpecDecoder
+from loom.engine.spec_decode.draft_model import DraftModel, check_vocabulary
 from loom.engine.worker.cpu import tune_mkl_for_amd
 from loom.engine.worker.model_runner import ModelRunner, TokenFill
 from loom.errors import RequestError
@@ -112,7 +113,14 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, model_dir: str, load_tokenizer: bool) -> None:
         """The model runner (rank 0's with tensor parallelism), tokenizer, KV blocks, adapters, warm-up."""
-        self.runner = self._start_runner(config, model_dir)
+        spec = config.speculative_config
+        # a draft model first: the target's KV blocks are sized with the draft's share of each block
+        self.draft = DraftModel.load(config, model_dir) if spec is not None and spec.method == "draft_model" else None
+        self.runner = self._start_runner(config, model_dir,
+                                         self.draft.runner.bytes_per_block if self.draft is not None else 0)
+        if self.draft is not None:
+            check_vocabulary(model_dir, spec.model, self.runner.vocab_size, self.draft.vocab_size)
+            self.draft.runner.allocate_kv(self.runner.num_blocks)
         self.tokenizer = None
         has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -133,10 +141,13 @@ class LLMEngine:
                                         config.resolve_lora_dtype(self.runner.dtype), tp=self.runner.tp)
         self.runner.peer_log = self.adapters.residency.peer_log
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
+        if self.draft is not None:
+            self.draft.runner.warm_up()
 
-    def _start_runner(self, config: EngineConfig, model_dir: str) -> ModelRunner:
+    def _start_runner(self, config: EngineConfig, model_dir: str, kv_share_bytes: int = 0) -> ModelRunner:
         try:
-            return ModelRunner(config, model_dir, tp=self.ranks.group if self.ranks is not None else None)
+            return ModelRunner(config, model_dir, tp=self.ranks.group if self.ranks is not None else None,
+                               kv_share_bytes=kv_share_bytes)
         except Exception as e:
             if self.ranks is not None and not isinstance(e, ValueError):  # a collective failed: name a dead worker
                 try:
@@ -318,6 +329,7 @@ class LLMEngine:
         self._last_batch = []
         prev = self._inflight
         outputs: list[StepOutput] = []
+        generated = self.generation_tokens
         if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
             self._inflight = None
             outputs += self._finish_launched(prev)
@@ -345,6 +357,8 @@ class LLMEngine:
             self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
         outputs += self._finished_outputs
         self._finished_outputs = []
+        if self.spec is not None:  # the step's rate, for the measured back-off
+            self.spec.end_step(self.generation_tokens - generated)
         return outputs
 
     def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:
@@ -401,6 +415,8 @@ class LLMEngine:
             logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows] + spec_rows, **extra)
         else:
             logits, sampled_idx = self.runner.run(batch, lora, **extra)
+        if self.spec is not None:  # a draft model's KV follows every target forward
+            self.spec.after_forward(batch)
         deferred = self._inflight is not None  # placeholders in the computed range: register blocks later
         if deferred:
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
@@ -530,6 +546,8 @@ class LLMEngine:
                 continue
             if copy is not None:
                 self.runner.copy_blocks([copy])
+                if self.draft is not None:
+                    self.draft.runner.copy_blocks([copy])
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             child.ever_scheduled = True

@@ -42,9 +42,13 @@ log = logging.getLogger("loom")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, tp=None):
-        """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
+    def __init__(self, config: EngineConfig, model_dir: str, tp=None, kv_share_bytes: int = 0,
+                 defer_kv: bool = False):
+        """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None.
+        kv_share_bytes: bytes per KV block that another model keeps beside this one's blocks (a draft model's share:
+        the budget holds both). defer_kv: no KV cache yet (a draft model: allocate_kv() with the target's count)."""
         self.tp = tp
+        self.kv_share_bytes = kv_share_bytes
         self._copies: list[tuple[int, int]] = []  # rank 0: KV block copies the other ranks make at the next step
         self.peer_log = None  # rank 0: LoRA rows written since the last step (loom.lora.tp_pools), set by the engine
         if tp is not None and config.cuda_graphs:
@@ -82,13 +86,10 @@ class ModelRunner:
         self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
         self.graphs = None  # loom.engine.worker.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
         self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
-        self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
-        # (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions.
-        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
-        for i, layer in enumerate(attn):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.num_blocks = 0
+        self.kv_cache = None
+        if not defer_kv:
+            self.allocate_kv(self._num_kv_blocks())
         if self.device.type == "cpu":  # tensor-parallel ranks share the cores unless told
             cpu.set_up_process(config.cpu_threads or (max(1, cpu.available_cores() // tp.world_size) if tp else 0))
         # where the ops run, decided once (kernels/policy.py): the C++ library is built or loaded here on CPU, not in
@@ -128,6 +129,15 @@ class ModelRunner:
         return self._capture_stream
 
     # ---- KV sizing -----------------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        """One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
+        (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions."""
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
@@ -141,11 +151,12 @@ class ModelRunner:
                 budget = kv_cache_budget(self)
             else:
                 budget = CPU_KV_BYTES
-        n = kv_blocks(budget, self.bytes_per_block)
+        n = kv_blocks(budget, self.bytes_per_block + self.kv_share_bytes)
         if self.tp is not None:  # every rank holds the same blocks: as many as the smallest rank's memory holds
             n = self.tp.min_int(n)
         if n < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.bytes_per_block} bytes")
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
+                             f"{self.bytes_per_block + self.kv_share_bytes} bytes")
         return int(n)
 
     # ---- start-up --------------------------------------------------------------------------------
