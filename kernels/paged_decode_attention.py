@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_layout import block_size_of, cache_strides, gather_blocks, kv_heads_of
+
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 
@@ -46,7 +48,7 @@ def _decode_kernel(
     scale_log2e, min_part, window, cap_in, cap_out,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,12 +77,19 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for s in range(start, end, BLOCK_N):
+    first = start
+    if TILE_IN_BLOCK:  # tiles aligned to BLOCK_N, so each lies in one block (the first may begin before `start`)
+        first = start - start % BLOCK_N
+    for s in range(first, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        # per-token physical block: works for any block size vs tile size
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
+        if TILE_IN_BLOCK:  # one block id per tile; the tile is one contiguous run of this kv head's rows
+            pmask = pmask & (pos >= start)
+            blk = tl.load(bt_row + s // BLOCK_SIZE).to(tl.int64)
+            off = blk * stride_cb + kvh * stride_ch + (s % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_co
+        else:  # tiles wider than a block: a block id per token
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+            off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -197,7 +206,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
     many partitions per sequence."""
     B, H, D = q.shape
-    _, block_size, KVH, _ = k_cache.shape
+    block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     group = H // KVH
     if out is None:
@@ -216,13 +225,14 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     num_splits = max(1, min(num_splits, triton.cdiv(max_ctx, block_n)))
     common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
-                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=num_warps)
+                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+                  TILE_IN_BLOCK=block_size % block_n == 0, num_warps=num_warps)
     scale_log2e = scale * _LOG2E
     window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](
             q, k_cache, v_cache, block_tables, seq_lens, out, out, out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q.stride(0), q.stride(1), *cache_strides(k_cache),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
             scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
         return out
@@ -231,7 +241,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     l = torch.empty_like(m)
     _decode_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, po, m, l,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), *cache_strides(k_cache),
         block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
         scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
     _decode_reduce_kernel[(B, H)](
@@ -248,13 +258,13 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 def gather_kv(k_cache, v_cache, block_tables, seq_lens, first_pos=None):
     """K/V of each sequence, gathered through its block table from the block holding first_pos[s] (default 0) on:
-    ([N, L, KVH, D] x2, key positions [N, L] int64, valid [N, L]: position < seq_len).
+    ([N, KVH, L, D] x2, key positions [N, L] int64, valid [N, L]: position < seq_len).
 
     Blocks before first_pos's are never read (a sliding window may have freed them). Slots past a sequence's
     length are zeroed: unused cache slots may hold anything (even NaN), and a masked score times a NaN value
     would still poison SDPA's output.
     """
-    block_size = k_cache.shape[1]
+    block_size = block_size_of(k_cache)
     seq_lens = seq_lens.long()
     N, M = block_tables.shape
     first_blk = torch.zeros_like(seq_lens) if first_pos is None else first_pos.long().clamp_min(0) // block_size
@@ -262,14 +272,12 @@ def gather_kv(k_cache, v_cache, block_tables, seq_lens, first_pos=None):
     nb = max(1, int((end_blk - first_blk).max()) if N else 1)
     cols = (first_blk[:, None] + torch.arange(nb, device=seq_lens.device)[None, :]).clamp_max(M - 1)
     bt = block_tables.long().gather(1, cols)
-    # index_select copies whole blocks (about 2x faster than advanced indexing on CPU)
-    k = k_cache.index_select(0, bt.flatten()).view(N, -1, *k_cache.shape[2:])  # [N, nb*bs, KVH, D]
-    v = v_cache.index_select(0, bt.flatten()).view(N, -1, *v_cache.shape[2:])
-    kpos = first_blk[:, None] * block_size + torch.arange(k.shape[1], device=k.device)[None, :]
+    k, v = gather_blocks(k_cache, bt), gather_blocks(v_cache, bt)  # [N, KVH, nb*bs, D]
+    kpos = first_blk[:, None] * block_size + torch.arange(k.shape[2], device=k.device)[None, :]
     valid = kpos < seq_lens[:, None]
-    tail = (~valid).flatten().nonzero().squeeze(1)  # zero only the (few) slots past each length
-    k.view(-1, *k.shape[2:]).index_fill_(0, tail, 0)
-    v.view(-1, *v.shape[2:]).index_fill_(0, tail, 0)
+    seq, at = (~valid).nonzero(as_tuple=True)  # zero only the (few) slots past each length
+    k[seq, :, at] = 0
+    v[seq, :, at] = 0
     return k, v, kpos, valid
 
 
@@ -305,8 +313,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     valid[:, 0] |= empty  # a fully masked row would be NaN; such rows are zeroed below
     # With one query token, the G query heads sharing a KV head act as G query rows of one head:
     # plain SDPA over [B, KVH, G, D] needs no GQA expansion (measured ~15% faster than enable_gqa on CPU).
-    KVH = k.shape[2]
-    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                 valid[:, None, None, :], scale, softcap)
+    KVH = k.shape[1]
+    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.to(q.dtype), v.to(q.dtype), valid[:, None, None, :], scale, softcap)
     res.copy_(o.reshape(B, H, D).masked_fill(empty[:, None, None], 0))
     return res

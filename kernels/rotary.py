@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_layout import block_size_of, cache_strides, kv_heads_of
 from loom.kernels.kv_store import store_kv_ref
 
 
@@ -72,16 +73,16 @@ def _launch(positions, q, k, cos_sin_cache, kv=None):
     rotary_dim = cos_sin_cache.shape[-1]
     assert rotary_dim <= D and rotary_dim % 2 == 0
     if kv is None:
-        v, kc, vc, slots, cache_strides, block_size = k, k, k, positions, (0, 0, 0), 1
+        v, kc, vc, slots, strides, block_size = k, k, k, positions, (0, 0, 0), 1
     else:
         v, kc, vc, slots = kv
         assert v.shape == k.shape and v.stride(-1) == 1 and kc.is_contiguous() and vc.is_contiguous()
-        assert kc.stride() == vc.stride() and kc.shape[2:] == (KVH, D)
-        cache_strides, block_size = kc.stride()[:3], kc.shape[1]
+        assert kc.stride() == vc.stride() and kv_heads_of(kc) == KVH and kc.shape[-1] == D
+        strides, block_size = cache_strides(kc), block_size_of(kc)
     _rotary_kernel[(T,)](
         positions, q, k, v, kc, vc, slots, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        *cache_strides, block_size, H, KVH,
+        *strides, block_size, H, KVH,
         D=D, D_PAD=triton.next_power_of_2(D), HALF=rotary_dim // 2, HQ_PAD=triton.next_power_of_2(H),
         HK_PAD=triton.next_power_of_2(KVH), STORE_KV=kv is not None,
     )

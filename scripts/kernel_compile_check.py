@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loom.kernels import activation, fp8_gemm, kv_store, lora, moe, norm, quant_gemm, rotary  # noqa: E402
+from loom.kernels.kv_layout import kv_cache_shape  # noqa: E402
 
 # loom.kernels re-exports functions of the same names as these modules: import the modules by path
 pda = importlib.import_module("loom.kernels.paged_decode_attention")
@@ -109,14 +110,14 @@ def _small(dt):
                                    torch.zeros(16, 64))
     for hd, rot in ((128, 128), (96, 48)):  # full and partial rotary (Phi-3), head dim not a power of two
         kv = torch.zeros(T, KVH, hd, dtype=dt)
-        kc = torch.zeros(8, 16, KVH, hd, dtype=dt)
+        kc = torch.zeros(kv_cache_shape(8, 16, KVH, hd), dtype=dt)
         rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, hd, dtype=dt), kv, kv, torch.zeros(16, rot),
                                       kc, kc.clone(), pos)
 
 
 def _attention(dt, heads, decode=True, prefill=True):
     for hd, grp, bs in heads:
-        kc = torch.zeros(8, bs, 2, hd, dtype=dt)
+        kc = torch.zeros(kv_cache_shape(8, bs, 2, hd), dtype=dt)
         bt = torch.zeros(2, 16, dtype=torch.int32)  # wide enough for num_splits=4 at every block size
         sl = torch.ones(2, dtype=torch.int32)
         q = torch.zeros(2, 2 * grp, hd, dtype=dt)

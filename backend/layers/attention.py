@@ -24,7 +24,8 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.softcap = sliding_window, softcap
-        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
+        # Bound by the model runner once the cache is allocated: [num_blocks, kv_heads, block_size, head_dim]
+        # (kernels/kv_layout.py).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from loom.kernels import activation, kv_store, lora, norm, rotary
+from loom.kernels.kv_layout import block_size_of, kv_cache_shape, kv_heads_of, read_slots, write_slots
 
 # the attention modules share their names with the dispatch functions exported by kernels/__init__
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
@@ -66,23 +67,22 @@ def make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, spare_blocks=3
     ids = (torch.randperm(used) + (num_blocks - used)).tolist()  # the top `used` ids, shuffled
     width = max(nblk + [1]) + 1  # one padding column more than needed
     bt = torch.zeros((len(seq_lens), width), dtype=torch.int32)
-    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
+    kc = torch.full(kv_cache_shape(num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
-    kf, vf = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
     for s, n in enumerate(seq_lens):
         blocks = torch.tensor([ids.pop() for _ in range(nblk[s])], dtype=torch.int64)
         bt[s, :len(blocks)] = blocks.to(torch.int32)
         pos = torch.arange(n)
         slots = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
-        kf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
-        vf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
+        write_slots(kc, slots, torch.randn(n, kvh, d, device=device))
+        write_slots(vc, slots, torch.randn(n, kvh, d, device=device))
     return kc, vc, bt.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
 def compact_cache(kc, vc, bt, seq_lens):
     """The blocks the tables use, copied into a small cache with renumbered tables: references then run on a
     float32 copy of what matters instead of converting a cache of billions of elements."""
-    width = max(1, math.ceil(int(seq_lens.max()) / kc.shape[1])) if seq_lens.numel() else 1
+    width = max(1, math.ceil(int(seq_lens.max()) / block_size_of(kc))) if seq_lens.numel() else 1
     used = bt[:, :width].long()
     ids, inv = torch.unique(used, return_inverse=True)
     return kc[ids], vc[ids], inv.to(torch.int32).contiguous()
@@ -99,8 +99,8 @@ def check_store_kv(dtype, device, T=10, kvh=3, d=64, block_size=16, num_blocks=4
     slots = torch.randperm(num_blocks * block_size)[:T]
     slots[torch.randperm(T)[:3]] = -1
     slots = slots.to(device)
-    kc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
-    vc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    kc = rnd(*kv_cache_shape(num_blocks, block_size, kvh, d), dtype=dtype, device=device)
+    vc = rnd(*kv_cache_shape(num_blocks, block_size, kvh, d), dtype=dtype, device=device)
     kc2, vc2 = kc.clone(), vc.clone()
     kv_store.store_kv_triton(k, v, kc, vc, slots)
     kv_store.store_kv_ref(k, v, kc2, vc2, slots)
@@ -116,7 +116,7 @@ def hide_before_window(kc, bt, first_q_pos, window):
     used = set(bt.flatten().tolist())
     nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
     bt = bt.clone()
-    bs = kc.shape[1]
+    bs = block_size_of(kc)
     for s, p in enumerate(first_q_pos):
         n_hidden = max(0, p - window + 1) // bs  # blocks whose every position is < p - window + 1
         bt[s, :n_hidden] = nan_block
@@ -180,7 +180,7 @@ def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1
     """store_kv into the highest slots of a cache of at least top_of elements: every token lands in its slot and
     nothing else is written (the cache starts NaN, so a stray write shows up in the count of finite elements)."""
     num_blocks = max(T // block_size + 2, math.ceil(top_of / (block_size * kvh * d)))
-    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
+    kc = torch.full(kv_cache_shape(num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
     slots = num_blocks * block_size - 1 - torch.randperm(2 * block_size)[:T]  # shuffled, in the top two blocks
     slots[torch.randperm(T)[:2]] = -1
@@ -189,8 +189,7 @@ def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1
     kv_store.store_kv_triton(k, v, kc, vc, slots)
     keep = slots >= 0
     for cache, src, what in ((kc, k, "k"), (vc, v, "v")):
-        flat = cache.view(-1, kvh, d)
-        assert torch.equal(flat[slots[keep]], src[keep]), f"store_kv {what}: wrong values in the top slots"
+        assert torch.equal(read_slots(cache, slots[keep]), src[keep]), f"store_kv {what}: wrong values in the top slots"
         written = int(torch.isfinite(cache).sum())
         assert written == int(keep.sum()) * kvh * d, f"store_kv {what}: {written} elements written, " \
             f"{int(keep.sum()) * kvh * d} expected"
@@ -236,7 +235,7 @@ def check_rotary_store_kv(dtype, device, T=9, heads=9, kvh=3, d=64, rot=None, bl
     pos = torch.randint(0, max_pos, (T,), dtype=torch.int64).to(device)
     slots = torch.randperm(3 * block_size)[:T].to(device)
     slots[T // 2] = -1
-    kc, vc = (torch.zeros(3, block_size, kvh, d, dtype=dtype, device=device) for _ in range(2))
+    kc, vc = (torch.zeros(kv_cache_shape(3, block_size, kvh, d), dtype=dtype, device=device) for _ in range(2))
     cs = cos_sin_cache(max_pos, rot or d, device)
     qr, kr, vr = q.float().clone(), k.float().clone(), v.float().clone()
     kcr, vcr = kc.float(), vc.float()
@@ -404,7 +403,7 @@ def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=Non
     """The float64 oracle of paged attention, per (token, head): the keys at positions max(0, pos - window + 1)
     .. pos, scores capped as c*tanh(s/c)."""
     q, kc, vc = q.double(), kc.double(), vc.double()
-    bs, kvh = kc.shape[1], kc.shape[2]
+    bs, kvh = block_size_of(kc), kv_heads_of(kc)
     group = q.shape[1] // kvh
     out = torch.zeros_like(q)
     for s in range(len(seq_lens)):
@@ -413,8 +412,8 @@ def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=Non
             t, pos = int(cu[s]) + i, n - q_len + i
             first = 0 if window is None else max(0, pos - window + 1)
             for h in range(q.shape[1]):
-                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
-                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                keys = torch.stack([kc[bt[s, p // bs], h // group, p % bs] for p in range(first, pos + 1)])
+                vals = torch.stack([vc[bt[s, p // bs], h // group, p % bs] for p in range(first, pos + 1)])
                 scores = keys @ q[t, h] * scale
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)

@@ -49,7 +49,7 @@ import json, torch
 import kernel_compile_check as kcc, kernel_resources as kr
 kcc.targets[:] = [t for t in kcc.TARGETS if t.arch == 90]
 kcc._launching.update(group="decode", dtype="bf16")
-q, kc = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)
+q, kc = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
 bt, sl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
 kcc.pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=1, block_n=64)
 r = kr.resources(kcc.compiled[-1])

@@ -29,6 +29,7 @@ from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.worker import cpu
 from loom.engine.worker.compiled_forward import build_forward
 from loom.kernels.cpu_memory import large_zeros
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
@@ -78,7 +79,7 @@ class ModelRunner:
         self.graphs = None  # loom.engine.worker.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
         self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
         # (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions.
         self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
@@ -315,7 +316,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV block src -> dst for each pair, every layer (n > 1 forks copy a partly filled block). With tensor
         parallelism each rank copies its own heads: rank 0 now, the others before the next step's forward."""
-        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
+        kv = self.kv_cache  # [layers, 2, blocks, ...]: a block is whole at index 2 (kernels/kv_layout.py)
         for src, dst in copies:
             kv[:, :, dst].copy_(kv[:, :, src])
         if self.tp is not None and self.tp.rank == 0:
