@@ -27,6 +27,20 @@ def _rope_rows(ptr, stride_h, nheads, cos, sin, partner, d, D: tl.constexpr, H_P
 
 
 @triton.jit
+def _cos_sin(cs_ptr, pos, stride_cs, D_PAD: tl.constexpr, HALF: tl.constexpr):
+    """(cos, sin, partner, d) of position `pos`, each [1, D_PAD]: x * cos + x[partner] * sin rotates a row (cos 1 and
+    sin 0 past the rotary dims, sin negated on the first half)."""
+    d = tl.arange(0, D_PAD)[None, :]
+    first = d < HALF
+    rot = d < 2 * HALF
+    partner = tl.where(first, d + HALF, tl.where(rot, d - HALF, d))
+    i = tl.where(first, d, d - HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rot, other=0.0).to(tl.float32)
+    return cos, tl.where(first, -sin, sin), partner, d
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -37,14 +51,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, D_PAD)[None, :]
-    first = d < HALF
-    rot = d < 2 * HALF
-    partner = tl.where(first, d + HALF, tl.where(rot, d - HALF, d))
-    i = tl.where(first, d, d - HALF)
-    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rot, other=0.0).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
+    cos, sin, partner, d = _cos_sin(cs_ptr, pos, stride_cs, D_PAD, HALF)
 
     q_row = q_ptr + t * stride_qt
     q, qmask = _rope_rows(q_row, stride_qh, H, cos, sin, partner, d, D, HQ_PAD)

@@ -150,6 +150,38 @@ def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=
     return assert_close(out.float(), ref, dtype, "paged_decode_attention")
 
 
+def check_decode_rope_store(dtype, device, seq_lens, heads, kvh, d, block_size, rot=None, num_splits=None,
+                            block_n=None, sliding_window=None, softcap=None):
+    """The decode kernel with this step's rope and K/V store inside (each sequence's last position is its new token,
+    slot -1 for an empty one) on strided q|k|v views: the caches exactly as rotary_store_kv's kernel leaves them, q, k
+    and v untouched, the output within tolerance of the reference in float32. The new tokens' slots start NaN: a
+    read before the store shows."""
+    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device)
+    B = len(seq_lens)
+    qkv = rnd(B, (heads + 2 * kvh) * d, dtype=dtype, device=device, scale=3.0 if softcap else 1.0)
+    q, k, v = (qkv[:, a * d:b * d].view(B, -1, d) for a, b in ((0, heads), (heads, heads + kvh),
+                                                                 (heads + kvh, heads + 2 * kvh)))
+    pos = (sl.long() - 1).clamp_min(0)
+    blocks = bt.long()[torch.arange(B, device=device), pos // block_size]
+    slots = torch.where(sl > 0, blocks * block_size + pos % block_size, -1)
+    new = slots[slots >= 0]
+    write_slots(kc, new, torch.full((new.shape[0], kvh, d), float("nan"), device=device))
+    write_slots(vc, new, torch.full((new.shape[0], kvh, d), float("nan"), device=device))
+    cs = cos_sin_cache(max(seq_lens) + 1, rot or d, device)
+    scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap, num_splits=num_splits, block_n=block_n)
+    qkv0, kc2, vc2, kcf, vcf = qkv.clone(), kc.clone(), vc.clone(), kc.float(), vc.float()
+    out = poison(B, heads, d, dtype=dtype, device=device)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, rope_store=(pos, k, v, cs, slots), **opts)
+    assert torch.equal(qkv, qkv0), "the fused kernel wrote into q, k or v"
+    rotary.rotary_store_kv_triton(pos, *(t.clone() for t in (q, k, v)), cs, kc2, vc2, slots)
+    assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)), "k cache differs from rotary_store_kv's"
+    assert torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0)), "v cache differs from rotary_store_kv's"
+    ref = paged_decode_attention_ref(q.float(), kcf, vcf, bt, sl, scale, sliding_window=sliding_window,
+                                     softcap=softcap, rope_store=(pos, k.float(), v.float(), cs, slots))
+    return assert_close(out.float(), ref, dtype, "paged_decode_attention rope_store")
+
+
 def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of=0):
     q_lens = [a for a, _ in q_and_seq_lens]
     kc, vc, bt, sl = make_paged_cache([b for _, b in q_and_seq_lens], block_size, kvh, d, dtype, device,
@@ -344,6 +376,28 @@ def check_lora_expand(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), out_si
     return assert_close((y.float() - y0.float()), y_ref - y0.float(), dtype, "lora_expand delta")
 
 
+def check_lora_fused(dtype, device, num_tokens=12, ranks=(1, 8, 16, 64), k_in=128, out_sizes=(64, 32, 32),
+                     pool16=False):
+    """lora_apply_triton's fused shrink + expand (few tokens per adapter): exactly what shrink then expand (no split
+    K) give, tokens without adapter untouched, within tolerance of the reference in float32."""
+    meta, R, owner = make_lora_meta(num_tokens, list(ranks), device)
+    assert meta.max_seg_len <= lora.FUSED_MAX_TOKENS
+    offs = [0] + torch.tensor(out_sizes).cumsum(0).tolist()
+    x = rnd(num_tokens, k_in, dtype=dtype, device=device)
+    a = rnd(len(out_sizes), R, k_in, dtype=_pool_dtype(dtype, pool16), device=device, scale=k_in ** -0.5)
+    b = rnd(R, offs[-1], dtype=_pool_dtype(dtype, pool16), device=device, scale=0.3)
+    y0 = rnd(num_tokens, offs[-1], dtype=dtype, device=device, scale=0.1)
+    y, y2 = y0.clone(), y0.clone()
+    lora.lora_apply_triton(x, y, a, b, offs, meta)
+    lora.lora_expand_triton(lora.lora_shrink_triton(x, a, meta, split_k=1), b, offs, meta, y2)
+    assert torch.equal(y, y2), "the fused kernel differs from shrink then expand"
+    no_adapter = (owner == -1).to(device)
+    assert torch.equal(y[no_adapter], y0[no_adapter]), "the fused kernel touched a token without adapter"
+    ref = lora.lora_shrink_ref(x.float(), a.float(), meta)
+    y_ref = lora.lora_expand_ref(ref.to(dtype).float(), b.float(), offs, meta, y0.float().clone())
+    return assert_close(y.float(), y_ref, dtype, "lora fused y")
+
+
 # name -> (check, list of cases); the pytest files parametrize over these, gpu_check runs them all
 CASES = {
     "store_kv": (check_store_kv, [dict(), dict(kvh=1, d=128, block_size=32)]),
@@ -367,6 +421,13 @@ CASES = {
         dict(seq_lens=[600, 5, 0, 300], heads=4, kvh=2, d=64, block_size=16, table_width=128),
         dict(seq_lens=[3, 40], heads=4, kvh=2, d=8, block_size=16, num_splits=1),  # head_dim < 16 (tl.dot K)
         dict(seq_lens=[3, 90], heads=4, kvh=1, d=8, block_size=16, num_splits=3, block_n=16),
+    ]),
+    "decode_rope_store": (check_decode_rope_store, [
+        dict(seq_lens=[0, 3, 16, 50], heads=9, kvh=3, d=64, block_size=16, num_splits=1),  # a tile per 2 blocks
+        dict(seq_lens=[1, 17, 45], heads=8, kvh=2, d=64, block_size=16, block_n=16, num_splits=3),  # tile in block
+        dict(seq_lens=[5, 40, 77], heads=6, kvh=2, d=48, rot=32, block_size=16, num_splits=3, block_n=16,
+             sliding_window=20),  # partial rotary, head dim padded, window
+        dict(seq_lens=[1, 33, 60], heads=4, kvh=2, d=32, block_size=8, softcap=5.0, num_splits=2, block_n=16),
     ]),
     "prefill": (check_prefill, [
         # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
@@ -396,6 +457,8 @@ CASES = {
                                         dict(pool16=True)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,)),
                                         dict(pool16=True)]),
+    "lora_fused": (check_lora_fused, [dict(), dict(num_tokens=3, ranks=(100, 3), out_sizes=(40,)),
+                                      dict(pool16=True)]),
 }
 
 
