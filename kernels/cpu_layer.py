@@ -17,6 +17,7 @@ import torch
 from loom.kernels import cpu_ext, cpu_lora
 from loom.kernels.cpu_linear import PackedWeight, row_block
 from loom.kernels.cpu_paged_attention import PREFILL_TILE, attention_options
+from loom.kernels.kv_layout import block_size_of
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -98,8 +99,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
     structs += [_Linear()] * (4 - len(structs))
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
-                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap,
-                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
+                    cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
                     int(gelu), int(attn_only))
     keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)

@@ -59,8 +59,8 @@ class Section:
 # before the optional 8B sweep.
 SECTIONS = [
     Section("kernels", "harness.gpu_kernels:run", 50, 150, False),
-    Section("kernel_grid", "harness.gpu_kernels:run_grid", 60, 60, False),
-    Section("engine", "harness.gpu_engine:run_engine", 115, 150, False),
+    Section("kernel_grid", "harness.gpu_kernels:run_grid", 65, 60, False),
+    Section("engine", "harness.gpu_engine:run_engine", 110, 150, False),
     Section("lora", "harness.gpu_engine:run_lora", 20, 150, False),
     Section("sampler", "harness.gpu_sampler:run", 10, 60, False),
     Section("memory", "harness.gpu_perf:run_memory", 50, 60, True),

@@ -34,7 +34,7 @@ struct LoomLayer {
   int64_t hidden, heads, kv_heads, head_dim, inter;
   const float* cos_sin;  // rope cache [positions, head_dim]
   float* k_cache;
-  float* v_cache;        // [blocks, block_size, kv_heads, head_dim]
+  float* v_cache;        // [blocks, kv_heads, block_size, head_dim]
   int64_t block_size;
   float scale;
   int64_t window;
@@ -153,7 +153,7 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
     loom_rms_norm(k, D, nullptr, 0, L->k_norm, L->qk_eps, k, D, att, D, T * KVH, D, st.nthreads);
   }
   loom_rotary(st.positions, L->cos_sin, L->rotary_dim, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
-  loom_store_kv(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, kv_n);
+  loom_store_kv(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, L->block_size, KVH, D);
   const int64_t d = st.num_decode;
   if (d)
     loom_paged_decode(q, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.dec_bt, st.dec_bt_width, st.dec_sl,

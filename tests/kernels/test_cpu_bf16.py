@@ -24,6 +24,7 @@ from loom.kernels.cpu_pointwise import (
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
+from loom.kernels.kv_layout import kv_cache_shape, read_slots
 
 U16, U32 = 2.0 ** -8, 2.0 ** -24
 BF16 = torch.bfloat16
@@ -113,14 +114,14 @@ def test_store_kv_exact():
     T, KVH, D, bs = 10, 3, 64, 16
     qkv = torch.randn(T, 5 * KVH * D).to(BF16)
     k, v = qkv[:, :KVH * D].view(T, KVH, D), qkv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
-    kc, vc = (torch.zeros(4, bs, KVH, D, dtype=BF16) for _ in range(2))
+    kc, vc = (torch.zeros(kv_cache_shape(4, bs, KVH, D), dtype=BF16) for _ in range(2))
     slots = torch.randperm(4 * bs)[:T]
     slots[3] = -1
     store_kv_cpu(k, v, kc, vc, slots)
     keep = slots >= 0
-    assert torch.equal(kc.view(-1, KVH, D)[slots[keep]], k[keep])
-    assert torch.equal(vc.view(-1, KVH, D)[slots[keep]], v[keep])
-    assert int((kc != 0).any(-1).any(-1).sum()) == int(keep.sum())
+    assert torch.equal(read_slots(kc, slots[keep]), k[keep])
+    assert torch.equal(read_slots(vc, slots[keep]), v[keep])
+    assert int((kc != 0).any(-1).sum()) == int(keep.sum()) * KVH
 
 
 def attention_bound(q, kc, vc, exact, scale, lens, softcap):

@@ -26,6 +26,7 @@ import torch
 from loom.engine.worker.compiled_forward import logits_of
 from loom.engine.worker.memory_plan import kv_budget, reserve_estimate
 from loom.engine.worker.warmup import fake_batch
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.layers.forward_context import forward_context
 
 log = logging.getLogger("loom")
@@ -44,8 +45,8 @@ def _peak(fn) -> int:
 def kv_cache_budget(runner) -> int:
     cfg = runner.config
     attn = runner.model.attention_layers()
-    stand_in = torch.zeros((2, 1, runner.block_size, runner.num_kv_heads, runner.head_dim), dtype=runner.dtype,
-                           device=runner.device)
+    stand_in = torch.zeros((2,) + kv_cache_shape(1, runner.block_size, runner.num_kv_heads, runner.head_dim),
+                           dtype=runner.dtype, device=runner.device)
     before = [(layer.k_cache, layer.v_cache) for layer in attn]
     for layer in attn:
         layer.k_cache, layer.v_cache = stand_in[0], stand_in[1]

@@ -30,6 +30,7 @@ from loom.engine.worker import cpu
 from loom.engine.worker.compiled_forward import build_forward
 from loom.engine.worker.memory_plan import CPU_KV_BYTES, kv_blocks, kv_bytes_per_token, model_bytes
 from loom.kernels.cpu_memory import large_zeros
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
@@ -133,7 +134,7 @@ class ModelRunner:
         """One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
         (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions."""
         self.num_blocks = num_blocks
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
@@ -328,7 +329,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV block src -> dst for each pair, every layer (n > 1 forks copy a partly filled block). With tensor
         parallelism each rank copies its own heads: rank 0 now, the others before the next step's forward."""
-        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
+        kv = self.kv_cache  # [layers, 2, blocks, ...]: a block is whole at index 2 (kernels/kv_layout.py)
         for src, dst in copies:
             kv[:, :, dst].copy_(kv[:, :, src])
         if self.tp is not None and self.tp.rank == 0:
