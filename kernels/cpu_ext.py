@@ -35,8 +35,8 @@ log = logging.getLogger("loom")
 
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "moe.cpp",
-                 "layer.cpp", "quant_gemm.cpp", "gemm_bf16.cpp")
+_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "gemm_bf16.cpp", "pointwise.cpp", "argmax.cpp",
+                 "moe.cpp", "layer.cpp", "quant_gemm.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,6 +240,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 # element types of activations and KV caches the pointwise, KV store and attention kernels take, as the suffix of
 # their functions' names (bfloat16: 16-bit storage, float32 math, each result rounded once)
 ACT_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the same types as the C++ code's with_act reads them
 
 
 def act_dtype(*tensors: torch.Tensor) -> torch.dtype | None:

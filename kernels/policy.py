@@ -11,8 +11,8 @@
       loom's bfloat16 GEMM (VDPBF16PS panels, kernels/csrc/gemm_bf16.cpp) where the CPU has avx512_bf16 and no AMX
       (measured against oneDNN on Zen 5: 0.44-0.67 of its time at 1 row, 0.76-0.98 at 32, even at 256-2,048),
       else oneDNN's prepacked bfloat16 GEMM (AMX where the CPU has it), where torch's oneDNN takes bfloat16 on this
-      CPU; LOOM_BF16_GEMM=onednn picks oneDNN's (to compare); LoRA, MoE experts and the one-call layer stay on
-      the PyTorch path (float32 only).
+      CPU; LOOM_BF16_GEMM=onednn picks oneDNN's (to compare). Over loom's GEMM each decoder layer runs in one C++
+      call too (steps without LoRA; with it, the Python layers); LoRA and MoE experts stay on the PyTorch path.
     float16: the references. Every dtype's float32 logits take the C++ argmax.
     Quantized checkpoints' linear layers keep their weights quantized (layers/quant_linear.py): the C++ weight-only
     GEMM (int8 / int4 / FP8 dequantised in registers, float32 math) for float32 and bfloat16 models with the library
@@ -77,6 +77,8 @@ class KernelPath:
                     "no 16-bit units: emulated"
                 line += (f"; {name}: C++ norms, rotary, activations, KV store, paged attention (float32 math); "
                          f"linear layers: {gemm} ({units}); LoRA and MoE experts: PyTorch")
+                if self.layer_pass:
+                    line += " (a step with LoRA runs the Python layers)"
             return line
         if not cpu_ext.enabled():
             return cpu_ext.describe()
@@ -104,7 +106,8 @@ _TABLE = {
         ops=TRITON if triton else CPU if built and kind in (F32, BF16) else REFERENCE,
         argmax=CPU if built and not triton else REFERENCE,
         gemm=_gemm(triton, built, kind, compiled, bf16_gemm),
-        layer_pass=built and kind == F32 and not (triton or compiled),
+        layer_pass=built and not (triton or compiled) and (kind == F32 or
+                                                           kind == BF16 and bf16_gemm == GEMM_LOOM_BF16),
         quant=TRITON if triton else CPU if built and kind in (F32, BF16) and not compiled else REFERENCE)
     for triton, built, compiled in itertools.product((False, True), repeat=3) for kind in (F32, BF16, OTHER)
     for bf16_gemm in ("", GEMM_ONEDNN, GEMM_LOOM_BF16)
