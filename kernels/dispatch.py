@@ -157,6 +157,8 @@ def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
         return lora_apply_triton(x, y, lora_a, lora_b, slice_offsets, meta)
     if ops == CPU and cpu_lora.takes(x, lora_a, lora_b, y):
         return lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta)
+    if ops == CPU and cpu_lora.takes_bf16(x, lora_a, lora_b, y):
+        return cpu_lora.lora_apply_cpu_bf16(x, y, lora_a, lora_b, slice_offsets, meta)
     return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)
 
 
