@@ -111,8 +111,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
     structs += [_Linear()] * (4 - len(structs))
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
-                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window, cap,
-                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
+                    cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
                     int(gelu), int(attn_only), 0, 0)
     keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
@@ -137,8 +137,8 @@ def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
     structs += [_Linear()] * (4 - len(structs))
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
-                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window, cap,
-                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
+                    cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
                     int(gelu), int(attn_only), cpu_ext.ACT_CODES[torch.bfloat16], int(norm_f32))
     return LayerArgs(lib, struct, list(norms), hidden, heads * head_dim, inter, torch.bfloat16)
 
