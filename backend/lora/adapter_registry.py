@@ -52,12 +52,15 @@ from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.adapter_sources import AdapterSources, is_uri
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
 from loom.lora.batch_meta import build_lora_meta
+from loom.lora.load_process import LoaderProcess
 from loom.lora.lora_pool import LoraPool
 from loom.lora.lora_stats import DISK_TO_HOST, HOST_TO_DEVICE, REMOTE_TO_HOST, LoadLog, LoraStats
 from loom.lora.model_spec import EXPERT_PROJS
 from loom.lora.peft_loader import (
+    WEIGHTS_NAME,
     AdapterConfigInfo,
     AdapterLoadError,
+    AdapterWeights,
     LoraModelSpec,
     load_peft_adapter,
     read_adapter_config,
@@ -97,6 +100,9 @@ class AdapterRegistry:
         # its CPU ops serial, so that it never opens a second OpenMP team beside the engine's (cpu_ext.serial_thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
                                             initializer=_loader_thread, initargs=(self.device,))
+        # adapters of at least lora_load_process_min_bytes are read in a process (loom.lora.load_process), started
+        # at the first such load
+        self._process = LoaderProcess(self.spec, dtype, self.max_lora_rank)
         self.num_disk_loads = 0
         self.sources = (AdapterSources(config.adapter_sources, config.adapter_cache_dir, config.adapter_cache_bytes)
                         if config.adapter_sources else None)
@@ -139,8 +145,15 @@ class AdapterRegistry:
             return sum(1 for v in self._versions if v.resident)
 
     def close(self) -> None:
+        """Stop the loader thread, the loader process and the copier (idempotent)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._process.close()
         self.residency.close()
+
+    @property
+    def loader_pid(self) -> int | None:
+        """The loader process's pid while it runs (tests, health)."""
+        return self._process.pid
 
     # ------------------------------------------------------------------ management API
 
@@ -426,6 +439,20 @@ class AdapterRegistry:
         cfg = v.config if v.config is not None else self._read_config(path, v.name, "lora_path")[0]
         return source, path, cfg, self.sources.cache.fetches != fetches
 
+    def _read_weights(self, path: str, name: str, cfg: AdapterConfigInfo) -> AdapterWeights:
+        """Loader thread: an adapter's host weights, read and laid out by loom.lora.peft_loader.load_peft_adapter; in
+        the loader process when its weights file has at least lora_load_process_min_bytes (the engine's interpreter
+        and cores stay free for the steps), else here."""
+        try:
+            size = os.path.getsize(os.path.join(path, WEIGHTS_NAME))
+        except OSError:
+            size = 0  # load_peft_adapter reports it
+        if size and size >= self.config.lora_load_process_min_bytes:
+            w = self._process.load(path, name, cfg)
+            return w.pin_memory() if self._pin else w
+        return load_peft_adapter(path, name, self.spec, self.dtype, self.max_lora_rank, config=cfg,
+                                 pin_memory=self._pin)
+
     def _load_job(self, v: AdapterVersion, fut: Future) -> None:
         w, err = None, None
         t0 = time.perf_counter()
@@ -434,8 +461,7 @@ class AdapterRegistry:
             if v.source or not v.path:
                 source, path, cfg, fetched = self._fetch(v)
                 tier = REMOTE_TO_HOST if fetched else DISK_TO_HOST
-            w = load_peft_adapter(path, v.name, self.spec, self.dtype, self.max_lora_rank,
-                                  config=cfg, pin_memory=self._pin)
+            w = self._read_weights(path, v.name, cfg)
         except AdapterLoadError as e:
             err = str(e)
         except RequestError as e:  # a fetched adapter's config or URI refused as a local one's would be
