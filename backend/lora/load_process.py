@@ -117,10 +117,9 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def child_main(conn, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, nice: int) -> None:
-    """The loader process: jobs (path, name, config) -> ("ok", meta) + the memory file's descriptor, or ("error",
-    message naming the adapter); None or end-of-file: exit."""
-    parent = os.getppid()
+def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, nice: int) -> None:
+    """The loader process of engine process `parent`: jobs (path, name, config) -> ("ok", meta) + the memory file's
+    descriptor, or ("error", message naming the adapter); None or end-of-file: exit."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the engine's terminal: the engine stops it
     try:
@@ -195,7 +194,7 @@ class LoaderProcess:
         conn = Connection(mine.detach())
         self._state.update(proc=proc, conn=conn)
         conn.send(list(sys.path))
-        conn.send(self._args)
+        conn.send((os.getpid(), *self._args))
         log.info("adapter loader process started (pid %d)", proc.pid)
 
     def load(self, path: str, name: str, config: AdapterConfigInfo) -> AdapterWeights:
@@ -203,6 +202,8 @@ class LoaderProcess:
         (the child's, or its death's)."""
         if self._closed:
             raise AdapterLoadError(f"adapter {name!r}: the engine is shutting down")
+        if "proc" in self._state and self._state["proc"].poll() is not None:  # died between jobs: not this job's fault
+            _stop(self._state, 0.0)
         if "proc" not in self._state:
             self._start()
         conn, proc = self._state["conn"], self._state["proc"]
