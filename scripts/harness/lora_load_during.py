@@ -30,12 +30,26 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str) -> dict:
     reg = eng.adapters
     short = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
+    cpu: dict[str, list[float]] = {p: [] for p in PHASES}  # the loop thread's CPU time per step
+    blocked = dict.fromkeys(PHASES, 0.0)  # seconds the loop spent in activate() (waiting for an adapter's rows)
     load_s, first_s = [], []
+    activate, current = reg.activate, ["steady"]
+
+    def timed_activate(ref):
+        t = time.perf_counter()
+        try:
+            return activate(ref)
+        finally:
+            blocked[current[0]] += time.perf_counter() - t
+
+    reg.activate = timed_activate
 
     def step(phase: str) -> list:
-        t = time.perf_counter()
+        current[0] = phase
+        t, c = time.perf_counter(), time.thread_time()
         outs = eng.step()
         times[phase].append(time.perf_counter() - t)
+        cpu[phase].append(time.thread_time() - c)
         for o in outs:
             if o.error:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
@@ -53,6 +67,7 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str) -> dict:
             step("steady")
         t0 = time.perf_counter()
         fut = reg.load(f"{tag}load{k}", wait=False)
+        step("load")  # at least one step (the load started before it)
         while not fut.done():
             step("load")
         fut.result()
@@ -61,7 +76,8 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str) -> dict:
         use("resident", "ad0", f"{tag}res{k}")
         first_s.append(use("first_use", f"{tag}first{k}", f"{tag}first{k}"))
         reg.unload(f"{tag}first{k}")
-    return {"times": times, "load_s": load_s, "first_use_ttft_s": first_s}
+    del reg.activate
+    return {"times": times, "cpu": cpu, "blocked_s": blocked, "load_s": load_s, "first_use_ttft_s": first_s}
 
 
 def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
@@ -103,8 +119,11 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
             eng.step()
         llm.close()
         summ = {p: bc.summarize(1000 * x for x in r["times"][p]) for p in PHASES}
+        cpu = {p: bc.summarize(1000 * x for x in r["cpu"][p]) for p in PHASES}
         name = "thread" if min_bytes > 1 << 40 else f"process (files >= {min_bytes} B)"
-        out["engines"][name] = {"min_bytes": min_bytes, "ms": summ, "load_s": bc.summarize(r["load_s"]),
+        out["engines"][name] = {"min_bytes": min_bytes, "ms": summ, "loop_cpu_ms": cpu,
+                                "activate_ms": {p: 1000 * r["blocked_s"][p] for p in PHASES},
+                                "load_s": bc.summarize(r["load_s"]),
                                 "first_use_ttft_s": bc.summarize(r["first_use_ttft_s"])}
         bc.progress(f"load-during {name}: " + ", ".join(f"{p} p50 {summ[p]['p50']:.1f} p99 {summ[p]['p99']:.1f} ms"
                                                         for p in PHASES))
@@ -121,8 +140,10 @@ def report(res: dict, args) -> str:
         for p in PHASES:
             ref = ms["steady"] if p == "load" else ms["resident"] if p == "first_use" else None
             rows.append([name, p, ms[p]["n"], ms[p]["p50"], ms[p]["p99"], ms[p]["max"],
-                         bc.ratio(ms[p]["p99"], ref["p99"]) if ref else None])
-    lines.append(bc.table(["loader", "phase", "steps", "p50 ms", "p99 ms", "max ms", "p99 / before"], rows))
+                         bc.ratio(ms[p]["p99"], ref["p99"]) if ref else None, e["loop_cpu_ms"][p]["p50"],
+                         e["activate_ms"][p]])
+    lines.append(bc.table(["loader", "phase", "steps", "p50 ms", "p99 ms", "max ms", "p99 / before",
+                           "loop CPU p50 ms", "in activate ms (sum)"], rows))
     for name, e in res["engines"].items():
         ms = e["ms"]
         lines.append(f"{name}: load (disk -> host) p50 {e['load_s']['p50'] * 1000:.0f} ms, first-use time to first "
