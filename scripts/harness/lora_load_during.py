@@ -82,6 +82,40 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str, k0: int =
     return {"times": times, "cpu": cpu, "blocked_s": blocked, "load_s": load_s, "first_use_ttft_s": first_s}
 
 
+def cpu_per_load(root: str, hf_cfg, names: list[str], repeats: int = 2) -> dict:
+    """Loads alone (no engine), the thread's way (load_peft_adapter here) and the loader process's, alternated:
+    -> per way, this process's CPU ms per load (what a load takes from the engine's interpreter and cores: a count
+    that a shared machine's other work does not inflate as it does wall times) and wall ms per load."""
+    import torch
+
+    from loom.lora import LoraModelSpec
+    from loom.lora.load_process import LoaderProcess
+    from loom.lora.peft_loader import load_peft_adapter, read_adapter_config
+
+    spec = LoraModelSpec.from_hf_config(hf_cfg)
+    dtype = torch.float32  # the adapters' (their files are float32 unless --adapter-dtype says otherwise)
+    paths = [os.path.join(root, n) for n in names]
+    cfgs = [read_adapter_config(p, n, 256) for p, n in zip(paths, names)]
+    lp = LoaderProcess(spec, dtype, 256)
+    try:
+        lp.load(paths[0], names[0], cfgs[0])  # started (its start is not a load's cost)
+        out = {"thread": {"cpu_ms": [], "wall_ms": []}, "process": {"cpu_ms": [], "wall_ms": []}}
+        for _ in range(repeats):
+            for way in out:
+                for p, n, c in zip(paths, names, cfgs):
+                    t0, w0 = os.times(), time.perf_counter()
+                    if way == "thread":
+                        load_peft_adapter(p, n, spec, dtype, 256, config=c)
+                    else:
+                        lp.load(p, n, c)
+                    t1 = os.times()
+                    out[way]["cpu_ms"].append(1000 * (t1.user - t0.user + t1.system - t0.system))
+                    out[way]["wall_ms"].append(1000 * (time.perf_counter() - w0))
+    finally:
+        lp.close()
+    return {way: {k: sum(v) / len(v) for k, v in d.items()} for way, d in out.items()}
+
+
 def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
     import torch
 
@@ -101,6 +135,9 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
     out: dict = {"rounds": rounds, "streams": n, "engines": {}}
+    if args.adapter_dtype == "float32" and any(x < 1 << 40 for x in loaders):  # a loader process in the run
+        out["cpu_per_load"] = cpu_per_load(root, hf_cfg, [f"ad{i}" for i in range(8)])
+        bc.progress(f"CPU per load: {out['cpu_per_load']}")
     llms, runs = [], []
     for t, min_bytes in enumerate(loaders):
         llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
@@ -160,6 +197,12 @@ def report(res: dict, args) -> str:
                          e["activate_ms"][p]])
     lines.append(bc.table(["loader", "phase", "steps", "p50 ms", "p99 ms", "max ms", "p99 / before",
                            "loop CPU p50 ms", "in activate ms (sum)"], rows))
+    if "cpu_per_load" in res:
+        c = res["cpu_per_load"]
+        lines.append(f"loads alone (8 adapters, alternated): the engine's process spends "
+                     f"{c['thread']['cpu_ms']:.1f} ms CPU per load on the loader thread, "
+                     f"{c['process']['cpu_ms']:.1f} ms with the loader process "
+                     f"(wall {c['thread']['wall_ms']:.0f} / {c['process']['wall_ms']:.0f} ms per load)")
     for name, e in res["engines"].items():
         ms = e["ms"]
         lines.append(f"{name}: load (disk -> host) p50 {e['load_s']['p50'] * 1000:.0f} ms, first-use time to first "
