@@ -5,8 +5,8 @@ shared memory.
 Why a process: a load of a rank-16 adapter of the default model is ~200 ms of reading, parsing, checking and
 converting. On a thread of the engine's process it holds the interpreter between its torch ops (the engine loop
 waits for it) and its ops take a core from the compute threads' team (the step waits for its slowest thread): the
-running streams' steps doubled during loads. The child runs at the lowest CPU priority (nice 19) with one torch
-thread, so the kernel gives the engine's threads the cores first; the engine's process only maps the result.
+running streams' steps doubled during loads. The child runs at a low CPU priority (NICE) with one torch thread, so
+the kernel gives the engine's threads the cores first; the engine's process only maps the result.
 
 Hand-over: the child writes every tensor of the AdapterWeights, in the layout the host tier keeps and the pools take
 (A [group layers, (E,) S, r, in], B^T [group layers, (E,) r, out]), at 64-byte aligned offsets into one anonymous
@@ -17,9 +17,9 @@ them): no copy on the parent's side; the copy into device rows is loom.lora.resi
 Lifetime: started at the first job (a fresh interpreter, as multiprocessing's spawn, but never re-running the
 engine's __main__), owned by the registry: `close()` sends a stop, joins, then terminates /
 kills; a finalizer does the same if the owner is dropped without it. The child exits when its pipe reads end-of-file
-or its parent changes (the engine's process exited or was killed, even mid-load). A child that dies mid-job fails
-that job only (the adapter's error says so) and the next job starts a new one. One job at a time: the registry's
-single loader thread is the only caller of `load`.
+or its parent changes (the engine's process exited or was killed, even mid-load). A child found dead is replaced
+and the job sent once more; a job that kills it twice fails alone (the adapter's error says so). One job at a time:
+the registry's single loader thread is the only caller of `load`.
 """
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapt
 
 log = logging.getLogger("loom")
 
-NICE = 19  # the child's CPU priority: the lowest (only what the engine's threads leave)
+# The child's CPU priority. 19 starved it on a 2-core box whose two compute threads kept both cores busy (1 s of CPU
+# in 6.5 minutes: loads never ended); at 10 it gets about a tenth of a core a busy compute thread holds.
+NICE = 10
 _ALIGN = 64
 
 
@@ -199,29 +201,32 @@ class LoaderProcess:
 
     def load(self, path: str, name: str, config: AdapterConfigInfo) -> AdapterWeights:
         """Read and lay out one adapter in the loader process (started here if none runs). Raises AdapterLoadError
-        (the child's, or its death's)."""
-        if self._closed:
-            raise AdapterLoadError(f"adapter {name!r}: the engine is shutting down")
-        if "proc" in self._state and self._state["proc"].poll() is not None:  # died between jobs: not this job's fault
-            _stop(self._state, 0.0)
-        if "proc" not in self._state:
-            self._start()
-        conn, proc = self._state["conn"], self._state["proc"]
-        try:
-            conn.send((path, name, config))
-            status, payload = conn.recv()
-            if status == "error":
-                raise AdapterLoadError(payload)
-            fd = recv_handle(conn)
-        except (EOFError, OSError) as e:
+        (the child's, or its death's). A child found dead is replaced and the job sent once more (it may have died
+        between jobs; a job that kills it twice fails)."""
+        for attempt in (1, 2):
+            if self._closed:
+                raise AdapterLoadError(f"adapter {name!r}: the engine is shutting down")
+            if "proc" not in self._state:
+                self._start()
+            conn, proc = self._state["conn"], self._state["proc"]
             try:
-                proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                pass
-            code = proc.returncode
-            _stop(self._state, 0.0)  # a new one starts at the next job
-            why = "was stopped" if self._closed else f"exited (code {code}, {e!r})"
-            raise AdapterLoadError(f"adapter {name!r}: the adapter loader process {why} while loading it") from None
+                conn.send((path, name, config))
+                status, payload = conn.recv()
+                if status == "error":
+                    raise AdapterLoadError(payload)
+                fd = recv_handle(conn)
+                break
+            except (EOFError, OSError) as e:
+                try:
+                    proc.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                code = proc.returncode
+                _stop(self._state, 0.0)  # a new one starts at the next try
+                if attempt == 2 or self._closed:
+                    why = "was stopped" if self._closed else f"exited (code {code}, {e!r})"
+                    raise AdapterLoadError(f"adapter {name!r}: the adapter loader process {why} while loading it") \
+                        from None
         return unpack(fd, payload)
 
     def close(self, timeout: float = 5.0) -> None:
