@@ -43,7 +43,8 @@ from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapt
 log = logging.getLogger("loom")
 
 # The child's CPU priority. 19 starved it on a 2-core box whose two compute threads kept both cores busy (1 s of CPU
-# in 6.5 minutes: loads never ended); at 10 it gets about a tenth of a core a busy compute thread holds.
+# in 6.5 minutes: loads never ended), and 15 still did; at 10 it gets about a tenth of a core a busy compute thread
+# holds (bench_lora --load-during: loads p50 0.9 s, the streams' steps 1.11x p50 / 1.17x p99 while one runs).
 NICE = 10
 _ALIGN = 64
 
