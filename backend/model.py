@@ -117,6 +117,10 @@ class TritonPythonModel:
             log.warning(ignored)
         if args.get("model_instance_kind") == "GPU" and cfg.engine.device == "auto":
             cfg.engine.device = f"cuda:{int(args.get('model_instance_device_id', 0))}"
+        if cfg.engine.tensor_parallel_size > 1:  # each instance's ranks take GPUs of their own
+            from loom.distributed.placement import check_instance_groups
+            check_instance_groups(self.model_config.get("instance_group", []),
+                                  cfg.engine.tensor_parallel_size // cfg.engine.nnodes, cfg.engine.torch_device.type)
         if not cfg.engine.model:
             from loom.engine.default_model import resolve_default_model
             cfg.engine.model = resolve_default_model()

@@ -35,8 +35,8 @@ log = logging.getLogger("loom")
 
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "pointwise.cpp", "argmax.cpp", "moe.cpp",
-                 "layer.cpp", "quant_gemm.cpp")
+_SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "gemm_bf16.cpp", "pointwise.cpp", "argmax.cpp",
+                 "moe.cpp", "layer.cpp", "quant_gemm.cpp")
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +52,7 @@ _SIGNATURES = {
                            _F32, _I64, _F32, _I64, _I32],
     "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
                         _I64, _I32],
-    "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64],
+    "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64],
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64, _I32],
@@ -68,6 +68,10 @@ _SIGNATURES = {
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P],
     "loom_quant_gemm": [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _F32, _P, _I64, _I64, _P, _P, _I64, _I64, _I32],
     "loom_quant_gemm_direct_rows": [],
+    "loom_gemm_bf16_built": [],
+    "loom_gemm_bf16_panel_width": [],
+    "loom_gemm_bf16_pack": [_P, _I64, _I64, _P],
+    "loom_gemm_bf16": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32],
 }
 # the bfloat16 variants of the pointwise, KV store and attention kernels (ACT_SUFFIX): the same arguments, but the
 # norm's, which also says whether its weight is float32
@@ -81,7 +85,8 @@ ISAS = (("AVX-512", ("avx512f", "avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf
         ("AVX2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")))
 
 # the others return nothing
-_RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64, "loom_quant_gemm_direct_rows": _I64}
+_RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64, "loom_quant_gemm_direct_rows": _I64,
+             "loom_gemm_bf16_built": _I64, "loom_gemm_bf16_panel_width": _I64}
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,6 +240,7 @@ def usable(*tensors: torch.Tensor) -> bool:
 # element types of activations and KV caches the pointwise, KV store and attention kernels take, as the suffix of
 # their functions' names (bfloat16: 16-bit storage, float32 math, each result rounded once)
 ACT_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16"}
+ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the same types as the C++ code's with_act reads them
 
 
 def act_dtype(*tensors: torch.Tensor) -> torch.dtype | None:

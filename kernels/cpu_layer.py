@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 
 from loom.kernels import cpu_ext, cpu_lora
-from loom.kernels.cpu_linear import PackedWeight, row_block
+from loom.kernels.cpu_linear import PackedBf16, PackedWeight, row_block
 from loom.kernels.cpu_paged_attention import PREFILL_TILE, attention_options
+from loom.kernels.kv_layout import block_size_of
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -32,7 +33,7 @@ class _Layer(ctypes.Structure):
                 ("head_dim", _I64), ("inter", _I64), ("cos_sin", _P), ("k_cache", _P), ("v_cache", _P),
                 ("block_size", _I64), ("scale", _F32), ("window", _I64), ("softcap", _F32), ("q_norm", _P),
                 ("k_norm", _P), ("qk_eps", _F32), ("rotary_dim", _I64), ("norm_post_attn", _P), ("norm_post_ff", _P),
-                ("gelu", _I64), ("attn_only", _I64)]
+                ("gelu", _I64), ("attn_only", _I64), ("act", _I64), ("norm_f32", _I64)]
 
 
 class _Step(ctypes.Structure):
@@ -51,12 +52,18 @@ def _f32(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or (cpu_ext.usable(t) and t.is_contiguous()) for t in tensors)
 
 
+def _of(dtype: torch.dtype, *tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or (t.is_cpu and t.dtype == dtype and t.is_contiguous()) for t in tensors)
+
+
 class LayerArgs:
     """One layer's tensors as loom_decoder_layer reads them (layer_args() makes it)."""
 
-    def __init__(self, lib, struct: _Layer, keep: list, hidden: int, q_size: int, inter: int):
+    def __init__(self, lib, struct: _Layer, keep: list, hidden: int, q_size: int, inter: int,
+                 dtype: torch.dtype = torch.float32):
         self.lib, self.struct, self.keep = lib, struct, keep  # keep: tensors only the struct points to
         self.hidden, self.q_size, self.inter = hidden, q_size, inter
+        self.dtype = dtype  # of the activations, caches and workspace: float32, or bfloat16 (no LoRA)
         self.attn_only = bool(struct.attn_only)  # a MoE layer: the call stops at its block's input
 
     def workspace_floats(self, T: int) -> int:
@@ -74,7 +81,13 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     Gemma 3); rotary_dim: the dims of each head rope turns (head_dim when None); output_norms: (attention output,
     MLP output) norm weights (Gemma); gelu: the MLP's activation is GELU-tanh, not SiLU. Norm weights as the kernel
     multiplies by (Gemma's 1 + w already added). None when a tensor is not what the kernels read (the layer then
-    runs its Python path)."""
+    runs its Python path).
+
+    bfloat16: every linear a PackedBf16 (loom's bfloat16 GEMM), the caches bfloat16, the norm weights all bfloat16
+    or all float32; adapter pools are not passed (a step with LoRA runs the Python path: StepArgs.takes)."""
+    if all(isinstance(p, PackedBf16) for p, *_ in linears):
+        return _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache,
+                                scale, window, softcap, qk_norms, rotary_dim, output_norms, gelu)
     if not all(isinstance(p, PackedWeight) and _f32(p.bias) and (a is None or cpu_ext.adapter_type(a, b) is not None)
                for p, a, b, _ in linears):
         return None
@@ -98,11 +111,36 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
     structs += [_Linear()] * (4 - len(structs))
     struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
-                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], scale, window, cap,
-                    _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
-                    int(gelu), int(attn_only))
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
+                    cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    int(gelu), int(attn_only), 0, 0)
     keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
+
+
+def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache, scale,
+                     window, softcap, qk_norms, rotary_dim, output_norms, gelu) -> Optional[LayerArgs]:
+    """layer_args for a bfloat16 layer over loom's bfloat16 GEMM."""
+    lib = linears[0][0].lib
+    q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
+    post_attn, post_ff = output_norms or (None, None)
+    norms = (norm_in, norm_post, q_norm, k_norm, post_attn, post_ff)
+    norm_f32 = norm_in.dtype == torch.float32
+    if any(p.lib is not lib or not _f32(p.bias) for p, *_ in linears) or not _f32(cos_sin) \
+            or not _of(torch.float32 if norm_f32 else torch.bfloat16, *norms) \
+            or not _of(torch.bfloat16, k_cache, v_cache) or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        return None
+    structs = [_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), None, None, 0, 0, 0, 0, 0, None)
+               for p, *_ in linears]
+    window, cap = attention_options(window, softcap)
+    attn_only = len(linears) == 2
+    hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
+    structs += [_Linear()] * (4 - len(structs))
+    struct = _Layer(*structs, norm_in.data_ptr(), norm_post.data_ptr(), eps, hidden, heads, kv_heads, head_dim, inter,
+                    cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
+                    cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
+                    int(gelu), int(attn_only), cpu_ext.ACT_CODES[torch.bfloat16], int(norm_f32))
+    return LayerArgs(lib, struct, list(norms), hidden, heads * head_dim, inter, torch.bfloat16)
 
 
 class StepArgs:
@@ -140,7 +178,7 @@ class StepArgs:
 def decoder_layer(layer: LayerArgs, step: StepArgs, x: torch.Tensor, residual: Optional[torch.Tensor],
                   workspace: torch.Tensor, x_out: torch.Tensor, res_out: torch.Tensor,
                   following: Optional[LayerArgs] = None) -> None:
-    """x, residual [T, hidden] float32 contiguous -> x_out (the layer's MLP output), res_out (its residual).
+    """x, residual [T, hidden] of layer.dtype, contiguous -> x_out (the layer's MLP output), res_out (its residual).
     following: the layer that runs next, whose q|k|v adapter rows the last GEMM asks for while it computes (only
     read as a hint: what it points to must stay allocated, not be current)."""
     layer.lib.loom_decoder_layer(ctypes.byref(layer.struct), ctypes.byref(step.struct), x.data_ptr(),

@@ -144,3 +144,45 @@ class PrepackedBf16:
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def loom_bf16_gemm(lib=None) -> bool:
+    """Whether loom's bfloat16 GEMM (kernels/csrc/gemm_bf16.cpp, VDPBF16PS) runs here: the CPU has avx512_bf16 and
+    the library was built with it (a compiler that takes the target)."""
+    lib = lib or cpu_ext.load()
+    return lib is not None and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_ext.cpu_flags() \
+        and bool(lib.loom_gemm_bf16_built())
+
+
+class PackedBf16:
+    """y = x @ W^T + b for a bfloat16 W packed once, at load, into loom's VDPBF16PS panels (kernels/csrc/gemm_bf16.cpp:
+    [ceil(N / 48), ceil(K / 2), 48, 2]), float32 accumulation, each output rounded once to bfloat16 (float32 with
+    out_f32: logits). Only where loom_bf16_gemm(); holds a second copy of W."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_f32: bool = False):
+        lib = cpu_ext.load()
+        if not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2) or not loom_bf16_gemm(lib):
+            raise ValueError("PackedBf16 takes a 2-D bfloat16 CPU weight on a CPU with avx512_bf16")
+        w = weight.detach().contiguous()
+        self.out_features, self.in_features = w.shape
+        nr = lib.loom_gemm_bf16_panel_width()
+        self.panels = torch.empty(-(-self.out_features // nr) * nr * (-(-self.in_features // 2) * 2),
+                                  dtype=torch.bfloat16)
+        lib.loom_gemm_bf16_pack(w.data_ptr(), self.out_features, self.in_features, self.panels.data_ptr())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_dtype = torch.float32 if out_f32 else torch.bfloat16
+        self.lib = lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x if len(shape) == 2 else x.reshape(-1, shape[-1])
+        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
+            x2 = x2.to(torch.bfloat16).contiguous()
+        m = x2.shape[0]
+        y = torch.empty((m, self.out_features), dtype=self.out_dtype)
+        if m:
+            self.lib.loom_gemm_bf16(x2.data_ptr(), x2.stride(0), m, self.in_features, self.panels.data_ptr(),
+                                    self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                                    y.data_ptr(), y.stride(0), int(self.out_dtype == torch.float32),
+                                    cpu_ext.nthreads())
+        return y if len(shape) == 2 else y.view(*shape[:-1], self.out_features)

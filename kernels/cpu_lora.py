@@ -54,6 +54,26 @@ def takes(x, lora_a, lora_b, y=None) -> bool:
             and cpu_ext.adapter_type(lora_a, lora_b) is not None)
 
 
+def takes_bf16(x, lora_a, lora_b, y) -> bool:
+    """Whether lora_apply_cpu_bf16 takes these: bfloat16 x and y on CPU in contiguous rows, pools as takes says."""
+    return (x.dtype == torch.bfloat16 and y.dtype == torch.bfloat16 and x.is_cpu and y.is_cpu and x.dim() == 2
+            and y.dim() == 2 and x.stride(-1) == 1 and y.stride(-1) == 1
+            and cpu_ext.adapter_type(lora_a, lora_b) is not None)
+
+
+def lora_apply_cpu_bf16(x, y, lora_a, lora_b, slice_offsets, meta):
+    """lora_apply_cpu on bfloat16 rows: x and y widened to float32 (exact), the float32 pass, each changed y rounded
+    once back to bfloat16 (the others come back as they were). The bfloat16 reference's per-group torch ops cost
+    ~32 small matmuls a linear at 32 adapters (bench_lora's setting did not finish in 10 minutes); the widening is two
+    passes over [tokens, features]."""
+    if meta.num_groups == 0 or meta.token_indices.numel() == 0:
+        return y
+    y32 = y.float()
+    lora_apply_cpu(x.float(), y32, lora_a, lora_b, slice_offsets, meta)
+    y.copy_(y32)
+    return y
+
+
 def group_arrays(meta) -> tuple:
     """The index arrays the kernels read: token indices, segments, rows, ranks, scalings. Every layer of a step
     reads the same meta: the arrays are kept on it when they are its own tensors (no copy made), so they stay valid

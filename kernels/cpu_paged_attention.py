@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from loom.kernels import cpu_ext
+from loom.kernels.kv_layout import block_size_of, kv_heads_of
 
 PREFILL_TILE = 16  # query rows sharing each key row read
 
@@ -52,7 +53,7 @@ def store_kv_cpu(k, v, k_cache, v_cache, slot_mapping):
     if T:
         getattr(cpu_ext.built(), "loom_store_kv" + cpu_ext.ACT_SUFFIX[k.dtype])(
             k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            slot_mapping.data_ptr(), T, k_cache.shape[2] * k_cache.shape[3])
+            slot_mapping.data_ptr(), T, block_size_of(k_cache), kv_heads_of(k_cache), k_cache.shape[3])
 
 
 def _rows(t: torch.Tensor) -> bool:
@@ -62,7 +63,7 @@ def _rows(t: torch.Tensor) -> bool:
 
 def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
                                softcap=None):
-    """q [B, H, D], caches [blocks, block_size, KVH, D], block_tables [B, M] int32, seq_lens [B] int32."""
+    """q [B, H, D], caches [blocks, KVH, block_size, D], block_tables [B, M] int32, seq_lens [B] int32."""
     window, cap = attention_options(sliding_window, softcap)
     lib = cpu_ext.built()
     if out is None:
@@ -70,7 +71,7 @@ def paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scal
     B, H, D = q.shape
     if B == 0:
         return out
-    _, block_size, KVH, _ = k_cache.shape
+    block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
     bt, sl = cpu_ext.contiguous(block_tables, torch.int32), cpu_ext.contiguous(seq_lens, torch.int32)
     fn = getattr(lib, "loom_paged_decode" + cpu_ext.ACT_SUFFIX[q.dtype])
@@ -90,7 +91,7 @@ def paged_prefill_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
     T, H, D = q.shape
     if T == 0:
         return out
-    _, block_size, KVH, _ = k_cache.shape
+    block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
     cu, sl, bt = (cpu_ext.contiguous(a, torch.int32) for a in (cu_seqlens_q, seq_lens, block_tables))
     fn = getattr(lib, "loom_paged_prefill" + cpu_ext.ACT_SUFFIX[q.dtype])

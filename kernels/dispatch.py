@@ -24,7 +24,7 @@ from loom.kernels.cpu_pointwise import (
 )
 from loom.kernels.cpu_quant import PackedQuantWeight, quant_linear_ref
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
-from loom.kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from loom.kernels.lora import lora_apply_triton, lora_expand_ref, lora_shrink_ref
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
 from loom.kernels.norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
@@ -70,6 +70,19 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
                     paged_prefill_attention_cpu, paged_prefill_attention_ref)
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
               sliding_window=sliding_window, softcap=softcap)
+
+
+def rope_store_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                                seq_lens, scale, out=None, sliding_window=None, softcap=None):
+    """Decode rows (one token per sequence): rotary_store_kv, then paged_decode_attention; on Triton one launch (plus
+    flash-decoding's reduction), which leaves q and k as they were (only the caches and out are written)."""
+    if use_triton(q):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                                             sliding_window=sliding_window, softcap=softcap,
+                                             rope_store=(positions, k, v, cos_sin_cache, slot_mapping))
+    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                                  sliding_window=sliding_window, softcap=softcap)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -137,13 +150,15 @@ def fused_moe_lora(x, w13, w2, topk_weights, topk_ids, lora, meta, out=None):
 
 
 def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
-    """y += the LoRA deltas of meta's adapter groups, in place: Triton's shrink then expand launches, or one C++
-    pass on CPU."""
+    """y += the LoRA deltas of meta's adapter groups, in place: on Triton one fused launch for few tokens per adapter
+    (decode), else shrink then expand; one C++ pass on CPU."""
     ops = for_tensor(x).ops
     if ops == TRITON:
-        return lora_expand_triton(lora_shrink_triton(x, lora_a, meta), lora_b, slice_offsets, meta, y)
+        return lora_apply_triton(x, y, lora_a, lora_b, slice_offsets, meta)
     if ops == CPU and cpu_lora.takes(x, lora_a, lora_b, y):
         return lora_apply_cpu(x, y, lora_a, lora_b, slice_offsets, meta)
+    if ops == CPU and cpu_lora.takes_bf16(x, lora_a, lora_b, y):
+        return cpu_lora.lora_apply_cpu_bf16(x, y, lora_a, lora_b, slice_offsets, meta)
     return lora_expand_ref(lora_shrink_ref(x, lora_a, meta), lora_b, slice_offsets, meta, y)
 
 
@@ -157,3 +172,12 @@ def quant_linear(x, w, bias=None):
     if path == CPU and isinstance(w, PackedQuantWeight):
         return w(x, bias)
     return quant_linear_ref(x, w, bias)
+
+
+def quant_linear_parts(x, parts, bias=None):
+    """x @ W^T (+ bias) for a weight kept quantized as parts along the output dimension ((first row, weight) pairs in
+    order): one quant_linear each, concatenated."""
+    if len(parts) == 1:
+        return quant_linear(x, parts[0][1], bias)
+    y = torch.cat([quant_linear(x, w, None) for _, w in parts], dim=-1)
+    return y if bias is None else y + bias.to(y.dtype)

@@ -1,8 +1,11 @@
-"""Scatter this step's K/V into the paged cache: k_cache[slot // bs, slot % bs] = k[t] (slot -1 = skip)."""
+"""Scatter this step's K/V into the paged cache (kernels/kv_layout.py): token t's kv head h goes to block slot // bs,
+head h, row slot % bs (slot -1 = skip)."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from loom.kernels.kv_layout import block_size_of, cache_strides, write_slots
 
 
 @triton.jit
@@ -38,8 +41,7 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
     _store_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1],
+        *cache_strides(k_cache), block_size_of(k_cache),
         KVH=KVH, D=D, H_PAD=triton.next_power_of_2(KVH), D_PAD=triton.next_power_of_2(D),
     )
 
@@ -47,7 +49,5 @@ def store_kv_triton(k, v, k_cache, v_cache, slot_mapping):
 def store_kv_ref(k, v, k_cache, v_cache, slot_mapping):
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    KVH, D = k_cache.shape[2], k_cache.shape[3]
-    # view as [num_slots, KVH, D]; index_copy_ writes through the view into the cache
-    k_cache.view(-1, KVH, D).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, KVH, D).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    write_slots(k_cache, slots, k[keep])
+    write_slots(v_cache, slots, v[keep])

@@ -113,6 +113,63 @@ def _expand_kernel(
     tl.store(yp, (y + scaling * acc).to(y_ptr.dtype.element_ty), mask=ymask)
 
 
+# One launch instead of three (a zeroed buffer, shrink, expand) where a step has few tokens per adapter (decode): each
+# program computes its tokens' rank-space product x @ A^T itself, a rank tile at a time, and goes on to that tile's
+# share of the expand; the shrink is computed again by every column tile (A is read once per tile, from L2), which
+# is small next to the launches it saves while the tokens fit one tile. Same tiles and loop order as the two-kernel
+# path without split K, so the same results.
+@triton.jit(do_not_specialize=["n_tiles"], do_not_specialize_on_alignment=["tok_ptr"])
+def _shrink_expand_kernel(
+    x_ptr, a_ptr, b_ptr, y_ptr, tok_ptr, seg_ptr, row_ptr, rank_ptr, scal_ptr,
+    stride_xt, stride_as, stride_ar, stride_br, stride_yt,
+    OFF0, OFF1, OFF2, OFF3, OFF4, K,
+    n_tiles, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    g = tl.program_id(0)
+    mt = tl.program_id(1)
+    pid2 = tl.program_id(2)  # (slice, column tile)
+    nt = pid2 % n_tiles
+    sl = pid2 // n_tiles
+    seg0 = tl.load(seg_ptr + g)
+    n_tok = tl.load(seg_ptr + g + 1) - seg0
+    if mt * BLOCK_M >= n_tok:
+        return
+    c0 = tl.where(sl == 0, OFF0, tl.where(sl == 1, OFF1, tl.where(sl == 2, OFF2, OFF3)))
+    c1 = tl.where(sl == 0, OFF1, tl.where(sl == 1, OFF2, tl.where(sl == 2, OFF3, OFF4)))
+    if c0 + nt * BLOCK_N >= c1:  # this slice is narrower than the widest one
+        return
+    rank = tl.load(rank_ptr + g)
+    row0 = tl.load(row_ptr + g)
+    scaling = tl.load(scal_ptr + g)
+    i = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    imask = i < n_tok
+    tok = tl.load(tok_ptr + seg0 + i, mask=imask, other=0).to(tl.int64)
+    cols = c0 + nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < c1
+    rr = tl.arange(0, BLOCK_R)
+    kk = tl.arange(0, BLOCK_K)
+    c_dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r0 in range(0, rank, BLOCK_R):  # stops at this adapter's own rank
+        rmask = (r0 + rr) < rank
+        a_rows = a_ptr + sl.to(tl.int64) * stride_as + (row0 + r0 + rr).to(tl.int64)[None, :] * stride_ar
+        s = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + kk) < K
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + (k0 + kk)[None, :], mask=imask[:, None] & kmask[None, :],
+                         other=0.0)
+            at = tl.load(a_rows + (k0 + kk)[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)  # [BK, BR]
+            s += tl.dot(xt, at.to(xt.dtype), input_precision=DOT_PREC)
+        wt = tl.load(b_ptr + (row0 + r0 + rr).to(tl.int64)[:, None] * stride_br + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.dot(s.to(c_dtype), wt.to(c_dtype), input_precision=DOT_PREC)
+    yp = y_ptr + tok[:, None] * stride_yt + cols[None, :]
+    ymask = imask[:, None] & cmask[None, :]
+    y = tl.load(yp, mask=ymask, other=0.0).to(tl.float32)
+    tl.store(yp, (y + scaling * acc).to(y_ptr.dtype.element_ty), mask=ymask)
+
+
 def _dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -183,6 +240,35 @@ def lora_expand_triton(buf, lora_b, slice_offsets, meta, y):
         buf.stride(0), buf.stride(1), lora_b.stride(0), y.stride(0), *offs,
         n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(y.dtype),
+    )
+    return y
+
+
+FUSED_MAX_TOKENS = 16  # tokens per adapter up to which lora_apply_triton takes the fused kernel (one token tile)
+
+
+def lora_apply_triton(x, y, lora_a, lora_b, slice_offsets, meta):
+    """y += the LoRA deltas of meta's groups: the fused kernel while every group's tokens fit one tile (decode), else
+    shrink then expand."""
+    if meta.max_seg_len > FUSED_MAX_TOKENS:
+        return lora_expand_triton(lora_shrink_triton(x, lora_a, meta), lora_b, slice_offsets, meta, y)
+    S = len(slice_offsets) - 1
+    assert 1 <= S <= 4 and lora_a.shape[0] == S, "up to 4 output slices per launch, one A pool per slice"
+    G = meta.num_groups
+    if meta.token_indices.shape[0] == 0 or G == 0:
+        return y
+    assert x.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1 and y.stride(-1) == 1
+    offs = [int(o) for o in slice_offsets] + [int(slice_offsets[-1])] * (5 - len(slice_offsets))
+    widest = max(offs[s + 1] - offs[s] for s in range(S))
+    block_m = block_m_for(meta.max_seg_len)
+    block_r = block_r_for(meta.max_rank)
+    block_n = 64 if widest >= 64 else max(16, triton.next_power_of_2(widest))
+    n_tiles = triton.cdiv(widest, block_n)
+    _shrink_expand_kernel[(G, 1, S * n_tiles)](
+        x, lora_a, lora_b, y, meta.token_indices, meta.seg_starts, meta.row_start, meta.ranks, meta.scalings,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), y.stride(0), *offs, lora_a.shape[2],
+        n_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64 if block_m * block_r <= 32 * 32 else 32,
+        BLOCK_N=block_n, DOT_PREC=_dot_precision(y.dtype),
     )
     return y
 

@@ -22,6 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_layout import block_size_of, cache_strides, gather_blocks, kv_heads_of
+from loom.kernels.rotary import _cos_sin, _rope_rows, rotary_store_kv_ref
+
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) NaN-free
 
@@ -38,7 +41,8 @@ def _part_size(ctx, num_splits, min_part, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_mb", "stride_mh", "min_part"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, m_ptr, l_ptr,
-    stride_qb, stride_qh,
+    pos_ptr, k_ptr, v_ptr, slot_ptr, cs_ptr,  # ROPE_STORE: this step's positions, k and v rows, slots, rope cache
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs,
     stride_cb, stride_co, stride_ch,
     stride_btb,
     stride_ob, stride_oh, stride_os,  # out [B,H,D] (stride_os unused) or partial out [B,H,NS,D]
@@ -46,7 +50,8 @@ def _decode_kernel(
     scale_log2e, min_part, window, cap_in, cap_out,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+    ROPE_STORE: tl.constexpr, HALF: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,18 +74,40 @@ def _decode_kernel(
     d = tl.arange(0, D_PAD)
     heads = kvh * GROUP + g
     gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask, other=0.0)
+    if ROPE_STORE:  # rope on this token's q rows (kept in registers) and k; k and v into the cache
+        cos, sin, partner, dd = _cos_sin(cs_ptr, tl.load(pos_ptr + b), stride_cs, D_PAD, HALF)
+        q_row = q_ptr + b.to(tl.int64) * stride_qb + (kvh * GROUP) * stride_qh
+        q = _rope_rows(q_row, stride_qh, GROUP, cos, sin, partner, dd, D, G_PAD)[0].to(q_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (end == seq_len) & (slot >= 0):  # the program whose keys include this token (split: the last partition)
+            k, kmask = _rope_rows(k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh, stride_kh, 1, cos, sin, partner,
+                                  dd, D, 1)
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + kvh * stride_ch + dd
+            tl.store(kc_ptr + dst, k.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=kmask)
+            v = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh + dd, mask=kmask)
+            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+            tl.debug_barrier()  # the stores above seen by this program's threads' loads below
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask,
+                    other=0.0)
 
     m_i = tl.full([G_PAD], _NEG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for s in range(start, end, BLOCK_N):
+    first = start
+    if TILE_IN_BLOCK:  # tiles aligned to BLOCK_N, so each lies in one block (the first may begin before `start`)
+        first = start - start % BLOCK_N
+    for s in range(first, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pmask = pos < end
-        # per-token physical block: works for any block size vs tile size
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
+        if TILE_IN_BLOCK:  # one block id per tile; the tile is one contiguous run of this kv head's rows
+            pmask = pmask & (pos >= start)
+            blk = tl.load(bt_row + s // BLOCK_SIZE).to(tl.int64)
+            off = blk * stride_cb + kvh * stride_ch + (s % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_co
+        else:  # tiles wider than a block: a block id per token
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+            off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
         k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
@@ -177,9 +204,11 @@ def _auto_num_splits(q, B, KVH, max_ctx):
 
 # Key tile and warps per padded head dim: (BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16
 # on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed for: no spills, and enough resident CTAs
-# (>= 3 of 4 warps per SM; 4-5 at head_dim 128) that their K/V tile loads (BLOCK_N * D * 2 bytes, K and V) keep
-# >= 24 KB per SM in flight, about what covers the memory latency at full bandwidth. Wider key tiles push the
-# registers to the 255 cap (2 CTAs per SM) and spill at head_dim 128 on sm_90 (BLOCK_N 64).
+# (>= 3 of 4 warps per SM; 4-5 at head_dim 128 in a single pass, where the grid is large; flash-decoding's grid has
+# about 2 programs per SM, so 3 there) that their K/V tile loads (BLOCK_N * D * 2 bytes, K and V) keep >= 24 KB per SM
+# in flight, about what covers the memory latency at full bandwidth. Wider key tiles push the registers to the 255
+# cap (2 CTAs per SM) and spill at head_dim 128 on sm_90 (BLOCK_N 64). ROPE_STORE (the engine's decode rows) adds
+# 5-35 registers for the rope of q in float32 before the loop.
 DECODE_TILES = {16: (32, 4), 32: (32, 4), 64: (32, 4), 128: (16, 4), 256: (16, 4)}
 
 MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others exit at once)
@@ -192,12 +221,14 @@ def pad_dim(d: int) -> int:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                                  sliding_window=None, softcap=None, num_splits=None, block_n=None):
+                                  sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None):
     """num_splits: None = automatic (from the batch size and the block table's width, never from the contexts:
     a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
-    many partitions per sequence."""
+    many partitions per sequence. rope_store: (positions, k, v, cos_sin_cache, slot_mapping) of this step's tokens
+    (one per sequence) - rope on q (not written back) and k, and k and v stored at the slots (-1 = skip) before the
+    attention reads them, in the same launch: as rotary_store_kv then this (decode rows have seq_len > 0 or slot -1)."""
     B, H, D = q.shape
-    _, block_size, KVH, _ = k_cache.shape
+    block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     group = H // KVH
     if out is None:
@@ -216,13 +247,23 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     num_splits = max(1, min(num_splits, triton.cdiv(max_ctx, block_n)))
     common = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad,
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
-                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=num_warps)
+                  HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+                  TILE_IN_BLOCK=block_size % block_n == 0, num_warps=num_warps)
+    if rope_store is None:
+        step, step_strides, half = (q, q, q, q, q), (0,) * 5, 1
+    else:
+        positions, k, v, cos_sin, slots = rope_store
+        assert k.shape == v.shape == (B, KVH, D) and k.stride(-1) == v.stride(-1) == cos_sin.stride(-1) == 1
+        assert k_cache.stride() == v_cache.stride() and cos_sin.shape[-1] <= D and cos_sin.shape[-1] % 2 == 0
+        step, half = (positions, k, v, slots, cos_sin), cos_sin.shape[-1] // 2
+        step_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0))
+    common.update(ROPE_STORE=rope_store is not None, HALF=half)
     scale_log2e = scale * _LOG2E
     window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, out, *step,
+            q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
             scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
         return out
@@ -230,8 +271,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     _decode_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, po, m, l,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, block_tables, seq_lens, po, m, l, *step,
+        q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
         block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
         scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
     _decode_reduce_kernel[(B, H)](
@@ -248,13 +289,13 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 def gather_kv(k_cache, v_cache, block_tables, seq_lens, first_pos=None):
     """K/V of each sequence, gathered through its block table from the block holding first_pos[s] (default 0) on:
-    ([N, L, KVH, D] x2, key positions [N, L] int64, valid [N, L]: position < seq_len).
+    ([N, KVH, L, D] x2, key positions [N, L] int64, valid [N, L]: position < seq_len).
 
     Blocks before first_pos's are never read (a sliding window may have freed them). Slots past a sequence's
     length are zeroed: unused cache slots may hold anything (even NaN), and a masked score times a NaN value
     would still poison SDPA's output.
     """
-    block_size = k_cache.shape[1]
+    block_size = block_size_of(k_cache)
     seq_lens = seq_lens.long()
     N, M = block_tables.shape
     first_blk = torch.zeros_like(seq_lens) if first_pos is None else first_pos.long().clamp_min(0) // block_size
@@ -262,14 +303,12 @@ def gather_kv(k_cache, v_cache, block_tables, seq_lens, first_pos=None):
     nb = max(1, int((end_blk - first_blk).max()) if N else 1)
     cols = (first_blk[:, None] + torch.arange(nb, device=seq_lens.device)[None, :]).clamp_max(M - 1)
     bt = block_tables.long().gather(1, cols)
-    # index_select copies whole blocks (about 2x faster than advanced indexing on CPU)
-    k = k_cache.index_select(0, bt.flatten()).view(N, -1, *k_cache.shape[2:])  # [N, nb*bs, KVH, D]
-    v = v_cache.index_select(0, bt.flatten()).view(N, -1, *v_cache.shape[2:])
-    kpos = first_blk[:, None] * block_size + torch.arange(k.shape[1], device=k.device)[None, :]
+    k, v = gather_blocks(k_cache, bt), gather_blocks(v_cache, bt)  # [N, KVH, nb*bs, D]
+    kpos = first_blk[:, None] * block_size + torch.arange(k.shape[2], device=k.device)[None, :]
     valid = kpos < seq_lens[:, None]
-    tail = (~valid).flatten().nonzero().squeeze(1)  # zero only the (few) slots past each length
-    k.view(-1, *k.shape[2:]).index_fill_(0, tail, 0)
-    v.view(-1, *v.shape[2:]).index_fill_(0, tail, 0)
+    seq, at = (~valid).nonzero(as_tuple=True)  # zero only the (few) slots past each length
+    k[seq, :, at] = 0
+    v[seq, :, at] = 0
     return k, v, kpos, valid
 
 
@@ -292,7 +331,11 @@ def sdpa_gqa(q, k, v, mask, scale, softcap=None):
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                               sliding_window=None, softcap=None, num_splits=None, block_n=None):
+                               sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None):
+    if rope_store is not None:  # q and k rotated in copies, as the Triton kernel leaves them
+        positions, k, v, cos_sin, slots = rope_store
+        q = q.clone()
+        rotary_store_kv_ref(positions, q, k.clone(), v, cos_sin, k_cache, v_cache, slots)
     B, H, D = q.shape
     res = torch.zeros((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
@@ -305,8 +348,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     valid[:, 0] |= empty  # a fully masked row would be NaN; such rows are zeroed below
     # With one query token, the G query heads sharing a KV head act as G query rows of one head:
     # plain SDPA over [B, KVH, G, D] needs no GQA expansion (measured ~15% faster than enable_gqa on CPU).
-    KVH = k.shape[2]
-    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                 valid[:, None, None, :], scale, softcap)
+    KVH = k.shape[1]
+    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.to(q.dtype), v.to(q.dtype), valid[:, None, None, :], scale, softcap)
     res.copy_(o.reshape(B, H, D).masked_fill(empty[:, None, None], 0))
     return res

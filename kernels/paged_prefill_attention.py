@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_layout import block_size_of, cache_strides, kv_heads_of
 from loom.kernels.paged_decode_attention import (
     _LOG2E,
     _NEG,
@@ -107,7 +108,7 @@ def prefill_tiles(max_seqlen_q, d_pad, block_m=None):
 def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
                                    scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None):
     T, H, D = q.shape
-    _, block_size, KVH, _ = k_cache.shape
+    block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
@@ -121,7 +122,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        *cache_strides(k_cache), block_tables.stride(0),
         scale * _LOG2E, *softcap_args(scale, sliding_window, softcap),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         GROUP=H // KVH, D=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -151,8 +152,7 @@ def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables,
     if window is not None:
         # padded rows (qpos past the end) must keep one visible key: they see at least their sequence's last key
         mask &= (kpos[:, None, :] > qpos[:, :, None] - window) | (kpos[:, None, :] == (seq_lens - 1)[:, None, None])
-    o = sdpa_gqa(qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                 mask[:, None], scale, softcap)  # [n, H, max_q, D]
+    o = sdpa_gqa(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask[:, None], scale, softcap)  # [n, H, max_q, D]
     out[tok] = o.transpose(1, 2)[seq_of, offs]
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_layout import block_size_of, cache_strides, kv_heads_of
 from loom.kernels.kv_store import store_kv_ref
 
 
@@ -26,6 +27,20 @@ def _rope_rows(ptr, stride_h, nheads, cos, sin, partner, d, D: tl.constexpr, H_P
 
 
 @triton.jit
+def _cos_sin(cs_ptr, pos, stride_cs, D_PAD: tl.constexpr, HALF: tl.constexpr):
+    """(cos, sin, partner, d) of position `pos`, each [1, D_PAD]: x * cos + x[partner] * sin rotates a row (cos 1 and
+    sin 0 past the rotary dims, sin negated on the first half)."""
+    d = tl.arange(0, D_PAD)[None, :]
+    first = d < HALF
+    rot = d < 2 * HALF
+    partner = tl.where(first, d + HALF, tl.where(rot, d - HALF, d))
+    i = tl.where(first, d, d - HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rot, other=0.0).to(tl.float32)
+    return cos, tl.where(first, -sin, sin), partner, d
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
@@ -36,14 +51,7 @@ def _rotary_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, D_PAD)[None, :]
-    first = d < HALF
-    rot = d < 2 * HALF
-    partner = tl.where(first, d + HALF, tl.where(rot, d - HALF, d))
-    i = tl.where(first, d, d - HALF)
-    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rot, other=1.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rot, other=0.0).to(tl.float32)
-    sin = tl.where(first, -sin, sin)
+    cos, sin, partner, d = _cos_sin(cs_ptr, pos, stride_cs, D_PAD, HALF)
 
     q_row = q_ptr + t * stride_qt
     q, qmask = _rope_rows(q_row, stride_qh, H, cos, sin, partner, d, D, HQ_PAD)
@@ -72,16 +80,16 @@ def _launch(positions, q, k, cos_sin_cache, kv=None):
     rotary_dim = cos_sin_cache.shape[-1]
     assert rotary_dim <= D and rotary_dim % 2 == 0
     if kv is None:
-        v, kc, vc, slots, cache_strides, block_size = k, k, k, positions, (0, 0, 0), 1
+        v, kc, vc, slots, strides, block_size = k, k, k, positions, (0, 0, 0), 1
     else:
         v, kc, vc, slots = kv
         assert v.shape == k.shape and v.stride(-1) == 1 and kc.is_contiguous() and vc.is_contiguous()
-        assert kc.stride() == vc.stride() and kc.shape[2:] == (KVH, D)
-        cache_strides, block_size = kc.stride()[:3], kc.shape[1]
+        assert kc.stride() == vc.stride() and kv_heads_of(kc) == KVH and kc.shape[-1] == D
+        strides, block_size = cache_strides(kc), block_size_of(kc)
     _rotary_kernel[(T,)](
         positions, q, k, v, kc, vc, slots, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        *cache_strides, block_size, H, KVH,
+        *strides, block_size, H, KVH,
         D=D, D_PAD=triton.next_power_of_2(D), HALF=rotary_dim // 2, HQ_PAD=triton.next_power_of_2(H),
         HK_PAD=triton.next_power_of_2(KVH), STORE_KV=kv is not None,
     )

@@ -58,7 +58,11 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (all systems use the same)")
     ap.add_argument("--skip", action="append", default=[], choices=("hf-static", "hf-cb"),
                     help="leave a peer out (repeatable)")
-    ap.add_argument("--threads", type=int, nargs="+", default=[1], help="loom's compute threads (one run each)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+                    help="loom's compute threads (one run each; per rank with --tensor-parallel-size)")
+    ap.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                    help="loom's tensor_parallel_size (one run each, e.g. 1 2): the table adds ms per step and the "
+                         "ms per step rank 0 spends in collectives")
     ap.add_argument("--compile", default="eager", choices=("eager", "compiled", "both"),
                     help="loom's CPU forward: eager (pre-packed GEMMs, C++ kernels), compiled (torch.compile at "
                          "start: minutes), or both")
@@ -115,6 +119,8 @@ def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: 
     finish = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]
     stats0 = engine.stats()
+    group = engine.runner.tp  # tensor parallelism: rank 0's collectives (broadcast, all-reduces, logits gather)
+    coll0 = group.collective_s if group is not None else 0.0
     engine.step = sampled_step
     meter = CpuMeter()
     try:
@@ -149,6 +155,7 @@ def run_loom(llm, prompt_ids: list[list[int]], max_tokens: int, progress_every: 
         "num_preemptions": stats1.num_preemptions - stats0.num_preemptions,
         "prefix_hit_tokens": stats1.prefix_hit_tokens - stats0.prefix_hit_tokens,
         "kv_tokens_capacity": engine.block_manager.num_blocks * bs, "cpu": meter.result,
+        "steps": len(samples), "collective_s": (group.collective_s - coll0) if group is not None else 0.0,
     }
 
 
@@ -375,10 +382,24 @@ def report(res: dict, args) -> str:
         r = sysres.get(name)
         if r and "kv" in r:
             lines.append(f"  {name}: {r['kv']['share_at_peak']:.1%} ({r['kv']['note']})")
+    if args.tensor_parallel_size != [1]:
+        lines.append(tp_table(sysres))
     cb = sysres.get("hf-cb")
     if cb and "setup_s" in cb:
         lines.append(f"hf-cb manager set-up (not counted): {cb['setup_s']:.1f}s")
     return "\n".join(lines)
+
+
+def tp_table(sysres: dict) -> str:
+    """Tensor parallelism: each loom run's tokens/s and mean latency, its steps and the share of a step rank 0
+    spends in collectives (on CPU the whole transfer and wait; on CUDA the launches)."""
+    rows = []
+    for name in _loom_names(sysres):
+        r = sysres[name]
+        steps = max(1, r["steps"])
+        rows.append([name, r["tp"], r["tokens_per_s"], r["latency"]["mean"], r["steps"], r["wall_s"] / steps * 1e3,
+                     r["collective_s"] / steps * 1e3])
+    return bc.table(["system", "TP", "tok/s", "mean lat s", "steps", "ms/step", "collectives ms/step"], rows)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -434,11 +455,14 @@ def run_loom_variants(args, model_dir: str, prompt_ids, warm_ids) -> dict[str, d
     modes = ["eager", "compiled"] if args.compile == "both" else [args.compile]
     dtypes = loom_dtypes(args)
     out = {}
-    for threads, dtype, mode in itertools.product(args.threads, dtypes, modes):
-        name = f"loom {mode} {threads}t" + (f" {_SHORT[dtype]}" if dtypes != [args.dtype] else "")
+    tps = args.tensor_parallel_size
+    for threads, dtype, mode, tp in itertools.product(args.threads, dtypes, modes, tps):
+        name = f"loom {mode} {threads}t" + (f" {_SHORT[dtype]}" if dtypes != [args.dtype] else "") + \
+            (f" tp{tp}" if tps != [1] else "")
         bc.progress(f"{name}: loading{' and compiling (minutes)' if mode == 'compiled' else ''}")
         t = time.perf_counter()
-        llm = LLM(model_dir, **engine_kwargs(args, dtype), cpu_threads=threads, cpu_compile=mode == "compiled")
+        llm = LLM(model_dir, **engine_kwargs(args, dtype), cpu_threads=threads, cpu_compile=mode == "compiled",
+                  tensor_parallel_size=tp)
         startup = time.perf_counter() - t
         runner = llm.engine.runner
         kernels = runner.kernels.describe(runner.dtype)  # loom's dispatch: which kernels and CPU units ran
@@ -450,12 +474,13 @@ def run_loom_variants(args, model_dir: str, prompt_ids, warm_ids) -> dict[str, d
             run_loom(llm, warm_ids, 2, 1e9)
         bc.progress(f"{name}: running ({torch.get_num_threads()} torch threads)")
         r = finish_system(run_loom(llm, prompt_ids, args.max_tokens, args.progress_every), args.max_tokens)
-        r.update(kv=loom_kv_share(r), threads=threads, mode=mode, startup_s=startup,
+        r.update(kv=loom_kv_share(r), threads=threads, mode=mode, startup_s=startup, tp=tp,
                  compile_s=llm.engine.runner.forward.compile_s, dtype=str(runner.dtype).removeprefix("torch."),
                  kernels=kernels)
         out[name] = r
         bc.progress(f"{name}: done in {r['wall_s']:.1f}s, {r['tokens_per_s']:.1f} tok/s, mean latency "
                     f"{r['latency']['mean']:.2f}s, other CPU {r['cpu']['other_cpu_s']:.1f}s")
+        llm.close()
         del llm
         gc.collect()
     return out

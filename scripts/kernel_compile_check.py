@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loom.kernels import activation, fp8_gemm, kv_store, lora, moe, norm, quant_gemm, rotary  # noqa: E402
+from loom.kernels.kv_layout import kv_cache_shape  # noqa: E402
 
 # loom.kernels re-exports functions of the same names as these modules: import the modules by path
 pda = importlib.import_module("loom.kernels.paged_decode_attention")
@@ -109,20 +110,24 @@ def _small(dt):
                                    torch.zeros(16, 64))
     for hd, rot in ((128, 128), (96, 48)):  # full and partial rotary (Phi-3), head dim not a power of two
         kv = torch.zeros(T, KVH, hd, dtype=dt)
-        kc = torch.zeros(8, 16, KVH, hd, dtype=dt)
+        kc = torch.zeros(kv_cache_shape(8, 16, KVH, hd), dtype=dt)
         rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, hd, dtype=dt), kv, kv, torch.zeros(16, rot),
                                       kc, kc.clone(), pos)
 
 
 def _attention(dt, heads, decode=True, prefill=True):
     for hd, grp, bs in heads:
-        kc = torch.zeros(8, bs, 2, hd, dtype=dt)
+        kc = torch.zeros(kv_cache_shape(8, bs, 2, hd), dtype=dt)
         bt = torch.zeros(2, 16, dtype=torch.int32)  # wide enough for num_splits=4 at every block size
         sl = torch.ones(2, dtype=torch.int32)
         q = torch.zeros(2, 2 * grp, hd, dtype=dt)
         if decode:
+            kv, pos = torch.zeros(2, 2, hd, dtype=dt), torch.zeros(2, dtype=torch.int64)
             for ns in (1, 4):  # single pass; flash-decoding and its reduction
                 pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns)
+                # what the engine's decode rows run: rope and the K/V store inside
+                pda.paged_decode_attention_triton(q, kc, kc.clone(), bt, sl, 0.1, num_splits=ns,
+                                                  rope_store=(pos, kv, kv, torch.zeros(16, hd), pos))
         if prefill:
             cu = torch.tensor([0, 1, 2], dtype=torch.int32)
             for mq in (1, 32, 100):  # decode-like rows (block_m 16), short chunks, prompts (the largest block_m)
@@ -145,6 +150,9 @@ def _lora(dt):
         buf = lora.lora_shrink_triton(x, torch.zeros(3, R, 128, dtype=dt), meta, split_k=sk)
     lora.lora_expand_triton(buf, torch.zeros(R, 128, dtype=dt), [0, 64, 96, 128], meta,
                             torch.zeros(20, 128, dtype=dt))
+    meta, R, _ = kcases.make_lora_meta(4, [1, 8, 64], "cpu")  # decode: the fused shrink + expand
+    lora.lora_apply_triton(torch.zeros(4, 128, dtype=dt), torch.zeros(4, 128, dtype=dt),
+                           torch.zeros(3, R, 128, dtype=dt), torch.zeros(R, 128, dtype=dt), [0, 64, 96, 128], meta)
 
 
 def _quant_a16(dt):

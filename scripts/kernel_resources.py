@@ -91,7 +91,9 @@ def occupancy(sm: int, regs: int, smem: int, num_warps: int) -> tuple[int, str]:
 
 
 _TILE_KEYS = ("D_PAD", "G_PAD", "H_PAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_R", "BLOCK", "NS_BLOCK")
-_FLAGS = ("SPLIT", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_RES", "GELU_TANH", "STORE_KV", "ATOMIC")  # shown when set
+# shown when set
+_FLAGS = ("SPLIT", "HAS_WINDOW", "HAS_SOFTCAP", "HAS_RES", "GELU_TANH", "STORE_KV", "ATOMIC", "TILE_IN_BLOCK",
+          "ROPE_STORE")
 
 
 def resources(v: kcc.Variant) -> Resources:

@@ -104,12 +104,6 @@ class ParallelGroup:
                 self.check_peers(grace_s=1.0)  # a worker dying now is the likely cause: name it
             raise RankFailure(0, f"failed inside a step ({type(e).__name__}: {e}); the ranks are out of step") from e
 
-def make_store(world_size: int, port: int = 0) -> dist.TCPStore:
-    """Rank 0 (port 0: a free port, then `store.port`) or a worker (rank 0's port): the rendezvous, on loopback."""
-    return dist.TCPStore("127.0.0.1", port, world_size, is_master=port == 0, timeout=COLLECTIVE_TIMEOUT,
-                         wait_for_workers=False)
-
-
 def init_group(rank: int, world_size: int, store: dist.Store, device: torch.device) -> ParallelGroup:
     """Join the process group of `world_size` ranks meeting at `store`. One group per process (torch.distributed's
     default group): the engine refuses a second tensor-parallel engine in a process that has one."""

@@ -1,9 +1,12 @@
-"""The worker processes one engine owns: start (ranks 1..N-1, each on its device), check, stop.
+"""The worker processes one engine owns: start (ranks 1..L-1 of node 0, each on its device), check, stop.
 
-The engine's process is rank 0; `Ranks(config, model_dir, ModelRunner)` spawns the workers, joins the process
-group with them and hands rank 0's group to the engine's runner. `check()` raises RankFailure naming a worker that
-is gone (rank 0 calls it around every step); `close()` stops them: a stop message, a join with a timeout, then
-terminate / kill. A Ranks that is dropped without close() is stopped by its finalizer (and at interpreter exit).
+The engine's process is rank 0; `Ranks(config, model_dir, ModelRunner)` opens the rendezvous (loom.distributed.
+rendezvous: loopback on one node, MASTER_ADDR / MASTER_PORT across nodes, where the engine's configuration is
+published for the other nodes' processes), spawns this node's workers, joins the process group with every rank and
+hands rank 0's group to the engine's runner. `check()` raises RankFailure naming a rank that is gone: a local worker
+(rank 0 calls it before every step), or, after a failed collective and in the idle health check, a rank another
+node's process reported dead. `close()` stops them: a stop message, a join with a timeout, then terminate / kill. A
+Ranks that is dropped without close() is stopped by its finalizer (and at interpreter exit).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loom.device import resolve_device
-from loom.distributed.parallel_state import ParallelGroup, RankFailure, destroy_group, init_group, make_store
+from loom.distributed import placement, rendezvous
+from loom.distributed.parallel_state import ParallelGroup, RankFailure, destroy_group, init_group
 from loom.distributed.step_broadcast import send_stop
 from loom.distributed.worker import worker_main
 from loom.errors import ConfigError
@@ -27,21 +31,20 @@ from loom.errors import ConfigError
 log = logging.getLogger("loom")
 
 
+def node_devices(device: torch.device, local_ranks: int, visible: str | None) -> list[torch.device]:
+    """This node's rank devices (loom.distributed.placement) from what this process sees."""
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and count:
+        device = resolve_device(device)
+    return placement.rank_devices(device, local_ranks, count, visible)
+
+
 def rank_devices(device: torch.device, world_size: int) -> list[torch.device]:
-    """Rank r's device: CPU for all, or on CUDA the r-th visible device from the engine's (CUDA_VISIBLE_DEVICES
-    decides what is visible; the workers inherit it)."""
-    if device.type != "cuda":
-        return [device] * world_size
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    base = resolve_device(device).index if count else (device.index or 0)
-    if base + world_size > count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        raise ConfigError("tensor_parallel_size", f"{world_size} ranks need {world_size} GPUs from cuda:{base}; "
-                          f"{count} visible (CUDA_VISIBLE_DEVICES={visible!r})")
-    return [torch.device("cuda", base + r) for r in range(world_size)]
+    """The devices of `world_size` ranks on this node, as this process sees them."""
+    return node_devices(device, world_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def _spawn_context():
+def spawn_context():
     ctx = mp.get_context("spawn")
     # Inside an embedding process (Triton's Python backend stub) sys.executable may not be a Python interpreter.
     if not os.path.basename(sys.executable or "").startswith("python"):
@@ -49,7 +52,8 @@ def _spawn_context():
     return ctx
 
 
-def _stop(processes: list, conns: list, timeout: float) -> None:
+def stop_workers(processes: list, conns: list, timeout: float) -> None:
+    """Join the worker processes for up to `timeout`, then terminate / kill what is left; close their pipes."""
     deadline = time.monotonic() + timeout
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -65,33 +69,56 @@ def _stop(processes: list, conns: list, timeout: float) -> None:
     destroy_group()
 
 
+def start_worker(ctx, rank: int, rdv: rendezvous.Rendezvous, config, model_dir: str, runner_cls):
+    """One worker process (rank `rank`, on config.device) and rank 0's / its node process's end of its pipe."""
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=worker_main, name=f"loom-tp-rank{rank}", daemon=True,
+                    args=(rank, rdv, config, model_dir, runner_cls, child))
+    p.start()
+    child.close()  # only the worker holds its end: it reads end-of-file when this process goes
+    return p, parent
+
+
+def last_error(conn, seen: str = "") -> str:
+    """The traceback a worker sent before it exited (or `seen`)."""
+    try:
+        while conn.poll():
+            seen = conn.recv()
+    except (EOFError, OSError):
+        pass
+    return seen
+
+
 class Ranks:
     def __init__(self, config, model_dir: str, runner_cls):
         n = config.tensor_parallel_size
         if dist.is_initialized():
             raise ConfigError("tensor_parallel_size", "this process already has a torch.distributed group (another "
                               "engine with tensor_parallel_size > 1?): one such engine per process")
-        devices = rank_devices(config.torch_device, n)
+        rdv = rendezvous.resolve(config)
+        devices = node_devices(config.torch_device, rdv.ranks_per_node, rdv.visible_devices)
         self.devices = devices
+        self.nnodes = rdv.nnodes
         self.processes: list = []
         self._conns: list = []
         self._errors: dict[int, str] = {}
         self.group: ParallelGroup | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns, 0.0)
-        store = make_store(n)
-        ctx = _spawn_context()
+        self._finalizer = weakref.finalize(self, stop_workers, self.processes, self._conns, 0.0)
         try:
-            for r in range(1, n):
-                parent, child = ctx.Pipe()
-                p = ctx.Process(target=worker_main, name=f"loom-tp-rank{r}", daemon=True,
-                                args=(r, n, store.port, replace(config, device=str(devices[r])), model_dir,
-                                      runner_cls, child))
-                p.start()
-                child.close()  # only the worker holds its end: it reads end-of-file when this process goes
+            self._store = store = rdv.store(master=True)
+        except RuntimeError as e:  # the port is taken, or the address is not this host's
+            raise ConfigError("master_port", f"the rendezvous cannot listen on port {rdv.port}: {e}") from None
+        rdv = replace(rdv, port=store.port)  # the free port it bound (one node)
+        ctx = spawn_context()
+        try:
+            if rdv.nnodes > 1:
+                rendezvous.publish_engine(store, config, model_dir)
+            for r in range(1, rdv.ranks_per_node):
+                p, conn = start_worker(ctx, r, rdv, replace(config, device=str(devices[r])), model_dir, runner_cls)
                 self.processes.append(p)
-                self._conns.append(parent)
-            log.info("tensor parallel: %d ranks on %s; workers %s", n, ", ".join(map(str, devices)),
-                     [p.pid for p in self.processes])
+                self._conns.append(conn)
+            log.info("tensor parallel: %d ranks on %d node(s), this one's on %s; workers %s (rendezvous %s:%d)", n,
+                     rdv.nnodes, ", ".join(map(str, devices)), [p.pid for p in self.processes], rdv.host, rdv.port)
             self.group = init_group(0, n, store, devices[0])
         except BaseException:
             self.close(orderly=False)
@@ -99,17 +126,13 @@ class Ranks:
         self.group.check_peers = self.check
 
     def _error_text(self, rank: int) -> str:
-        conn = self._conns[rank - 1]
-        try:
-            while conn.poll():
-                self._errors[rank] = conn.recv()
-        except (EOFError, OSError):
-            pass
-        return self._errors.get(rank, "")
+        self._errors[rank] = last_error(self._conns[rank - 1], self._errors.get(rank, ""))
+        return self._errors[rank]
 
-    def check(self, grace_s: float = 0.0) -> None:
-        """Raise RankFailure naming the first worker that is gone; grace_s: wait that long for one that is dying
-        (after a collective failed)."""
+    def check(self, grace_s: float = 0.0, remote: bool = False) -> None:
+        """Raise RankFailure naming the first rank that is gone: a worker of this node, then (with grace_s or remote)
+        one another node's process reported. grace_s: wait that long for one that is dying (after a collective
+        failed)."""
         deadline = time.monotonic() + grace_s
         for r, p in enumerate(self.processes, 1):
             if grace_s:
@@ -119,6 +142,19 @@ class Ranks:
                 last = text.splitlines()[-1] if text else ""
                 raise RankFailure(r, f"(worker pid {p.pid}) exited with code {p.exitcode}"
                                   + (f": {last}" if last else ""))
+        if self.nnodes > 1 and (grace_s or remote):
+            self._check_nodes(deadline)
+
+    def _check_nodes(self, deadline: float) -> None:
+        keys = [rendezvous.failure_key(k) for k in range(1, self.nnodes)]
+        while True:
+            for key in keys:
+                if self._store.check([key]):
+                    rank, _, text = self._store.get(key).decode().partition("\t")
+                    raise RankFailure(int(rank), text)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
@@ -136,4 +172,4 @@ class Ranks:
         else:
             timeout = 0.0
         self._finalizer.detach()
-        _stop(self.processes, self._conns, timeout)
+        stop_workers(self.processes, self._conns, timeout)

@@ -15,9 +15,10 @@ import traceback
 
 import torch
 
-from loom.distributed.parallel_state import destroy_group, init_group, make_store
+from loom.distributed.parallel_state import destroy_group, init_group
 from loom.distributed.step_broadcast import recv_step
 from loom.layers.forward_context import forward_context
+from loom.lora.tp_pools import PeerPools
 
 log = logging.getLogger("loom")
 
@@ -34,17 +35,24 @@ def _exit_with_parent(conn) -> None:
     threading.Thread(target=watch, name="loom-tp-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, runner_cls, conn) -> None:
-    """The process's entry point. `config` is the engine's EngineConfig with this rank's device."""
+def worker_main(rank: int, rdv, config, model_dir: str, runner_cls, conn) -> None:
+    """The process's entry point. `rdv`: the rendezvous (loom.distributed.rendezvous.Rendezvous); `config`: the
+    engine's EngineConfig with this rank's device."""
     _exit_with_parent(conn)
     try:
         device = torch.device(config.device)
-        if device.type == "cuda":  # before anything initialises CUDA in this process
+        if device.type == "cuda":  # before anything initialises CUDA here: the GPUs the placing process saw
+            if rdv.visible_devices is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = rdv.visible_devices
             torch.cuda.set_device(device)
-        group = init_group(rank, world_size, make_store(world_size, port), device)
+        group = init_group(rank, rdv.world_size, rdv.store(), device)
         runner = runner_cls(config, model_dir, tp=group)
+        # this rank's LoRA pools, before the warm-up as rank 0's (its adapter registry's) are
+        pools = PeerPools(config, runner.model, runner.device, config.resolve_lora_dtype(runner.dtype), group.min_int)
         runner.warm_up()
-        serve(runner, group)
+        serve(runner, group, pools)
     except BaseException:  # told to rank 0 through the pipe: its error names this rank and carries this text
         try:
             conn.send(traceback.format_exc())
@@ -56,14 +64,17 @@ def worker_main(rank: int, world_size: int, port: int, config, model_dir: str, r
 
 
 @torch.inference_mode()
-def serve(runner, group) -> None:
-    """Each step: receive it, make this rank's KV block copies, run the forward (its collectives pair with rank 0's;
-    the logits go to rank 0, which samples)."""
+def serve(runner, group, pools: PeerPools) -> None:
+    """Each step: receive it, make this rank's KV block copies and LoRA row writes, check the LoRA rows it reads, run
+    the forward (its collectives pair with rank 0's; the logits go to rank 0, which samples)."""
     while True:
         step = recv_step(group)
         if step is None:
             return
-        ids, ctx, copies = step
+        ids, ctx, copies, lora_updates = step
         runner.copy_blocks(copies)
+        if lora_updates is not None:
+            pools.apply(*lora_updates)
+        pools.check(ctx.lora)  # the rows the step reads hold rank 0's adapter versions
         with forward_context(ctx):
             runner.forward(ids, ctx.positions, ctx.logits_indices)

@@ -68,13 +68,21 @@ class EngineConfig:
     lora_load_process_min_bytes: int = 1 << 20
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
     # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
-    # visible GPU from the engine's. Not yet with LoRA adapters or cpu_compile; CUDA graphs are off.
+    # visible GPU from the engine's. LoRA adapters are sharded as their layers (each rank its part of A or B;
+    # lora_memory_bytes / lora_expert_memory_bytes per rank). Not yet with cpu_compile; CUDA graphs are off.
     tensor_parallel_size: int = 1
     # Speculative decoding (loom.engine.spec_decode): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": .., "disable_by_batch_size": ..}; a dict or JSON string is
     # converted. None = off. (Optional[...], not "| None": the type is written in docs/CONFIGURATION.md's table,
     # where a pipe would split the cell.)
     speculative_config: Optional[SpeculativeConfig] = None
+    # Tensor parallelism across hosts (loom.distributed.rendezvous): nnodes nodes of tensor_parallel_size / nnodes
+    # ranks each; this engine is node 0 and listens at master_port for the others (`python -m loom.engine.tp_node
+    # --node-rank K`), which reach it at master_addr. Empty / 0 = $MASTER_ADDR / $MASTER_PORT. Ignored on one node
+    # (loopback, a free port).
+    nnodes: int = 1
+    master_addr: str = ""
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,11 +144,18 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         check(isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
               "tensor_parallel_size", f"must be in [1, 64], got {tp!r}")
-        check(tp == 1 or not (self.adapter_roots or self.adapter_sources), "tensor_parallel_size",
-              f"LoRA adapters (adapter_roots, adapter_sources) are not served with tensor_parallel_size {tp} yet")
         check(tp == 1 or not self.cpu_compile, "tensor_parallel_size",
               f"cpu_compile is not supported with tensor_parallel_size {tp} yet")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)  # ConfigError naming its field
+        n, tp = self.nnodes, self.tensor_parallel_size
+        check(isinstance(n, int) and not isinstance(n, bool) and n >= 1 and tp % n == 0,
+              "nnodes", f"must be >= 1 and divide tensor_parallel_size {tp} (each node holds as many ranks), got {n!r}")
+        check(isinstance(self.master_addr, str), "master_addr", "must be a host name or address")
+        check(isinstance(self.master_port, int) and not isinstance(self.master_port, bool)
+              and 0 <= self.master_port <= 65535, "master_port",
+              f"must be a port in [0, 65535] (0 = $MASTER_PORT), got {self.master_port!r}")
+        check(tp == 1 or self.speculative_config is None or self.speculative_config.method != "draft_model",
+              "speculative_config.method", f"draft_model is not supported with tensor_parallel_size {tp} yet")
 
     @property
     def torch_device(self) -> torch.device:

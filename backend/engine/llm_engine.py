@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from loom.engine.sample.sampler import Sampler, SamplerOutput
 from loom.engine.sample.sampling_state import HOST_TOKENS, IGNORE_EOS, LOGPROBS, STOP_IDS, SamplingState
 from loom.engine.sampling_params import MAX_N, SamplingParams
 from loom.engine.spec_decode.decoder import SpecDecoder
+from loom.engine.spec_decode.draft_model import DraftModel, check_vocabulary
 from loom.engine.worker.cpu import tune_mkl_for_amd
 from loom.engine.worker.model_runner import ModelRunner, TokenFill
 from loom.errors import RequestError
@@ -113,7 +113,14 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, model_dir: str, load_tokenizer: bool) -> None:
         """The model runner (rank 0's with tensor parallelism), tokenizer, KV blocks, adapters, warm-up."""
-        self.runner = self._start_runner(config, model_dir)
+        spec = config.speculative_config
+        # a draft model first: the target's KV blocks are sized with the draft's share of each block
+        self.draft = DraftModel.load(config, model_dir) if spec is not None and spec.method == "draft_model" else None
+        self.runner = self._start_runner(config, model_dir,
+                                         self.draft.runner.bytes_per_block if self.draft is not None else 0)
+        if self.draft is not None:
+            check_vocabulary(model_dir, spec.model, self.runner.vocab_size, self.draft.vocab_size)
+            self.draft.runner.allocate_kv(self.runner.num_blocks)
         self.tokenizer = None
         has_tokenizer = any(os.path.isfile(os.path.join(model_dir, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -129,16 +136,18 @@ class LLMEngine:
             log.warning("the KV cache holds %d tokens, fewer than max_model_len %d: a longer prompt is refused and a "
                         "request ends (finish_reason length) when its prompt and output fill the whole cache; raise "
                         "kv_cache_memory_bytes or lower max_model_len", kv_tokens, self.max_model_len)
-        # no adapter pools under tensor parallelism (LoRA is refused there)
-        lora_config = config if self.ranks is None else \
-            replace(config, lora_memory_bytes=0, lora_expert_memory_bytes=0)
-        self.adapters = AdapterRegistry(lora_config, self.runner.model, self.runner.device,
-                                        config.resolve_lora_dtype(self.runner.dtype))
+        # under tensor parallelism the workers' pools follow these rows (loom.lora.tp_pools): the step carries them
+        self.adapters = AdapterRegistry(config, self.runner.model, self.runner.device,
+                                        config.resolve_lora_dtype(self.runner.dtype), tp=self.runner.tp)
+        self.runner.peer_log = self.adapters.residency.peer_log
         self.runner.warm_up()  # with the LoRA pools attached: every kernel variant compiled, decode graphs captured
+        if self.draft is not None:
+            self.draft.runner.warm_up()
 
-    def _start_runner(self, config: EngineConfig, model_dir: str) -> ModelRunner:
+    def _start_runner(self, config: EngineConfig, model_dir: str, kv_share_bytes: int = 0) -> ModelRunner:
         try:
-            return ModelRunner(config, model_dir, tp=self.ranks.group if self.ranks is not None else None)
+            return ModelRunner(config, model_dir, tp=self.ranks.group if self.ranks is not None else None,
+                               kv_share_bytes=kv_share_bytes)
         except Exception as e:
             if self.ranks is not None and not isinstance(e, ValueError):  # a collective failed: name a dead worker
                 try:
@@ -146,6 +155,16 @@ class LLMEngine:
                 except RankFailure as dead:
                     raise dead from e
             raise
+
+    def check_health(self) -> str | None:
+        """None while the engine can serve; else why not (for good). Between steps (the serving loop asks when
+        idle): a tensor-parallel rank that died since the last step is found here, not at the next request."""
+        if self.fatal_error is None and self.ranks is not None:
+            try:
+                self.ranks.check(remote=True)
+            except RankFailure as e:
+                self.fatal_error = str(e)
+        return self.fatal_error
 
     def close(self) -> None:
         """Stop what the engine started: the adapter loader (thread and process), the tensor-parallel workers. No step
@@ -195,8 +214,6 @@ class LLMEngine:
                     lora_name: str | None = None) -> None:
         if request_id in self._alive:
             raise RequestError("request_id", f"{request_id!r} is already in flight")
-        if lora_name and self.ranks is not None:
-            raise RequestError("lora_name", "LoRA adapters are not served with tensor_parallel_size > 1 yet")
         limit = self.prompt_limit()
         if params.truncate_prompt_tokens is not None:  # vLLM: keep the last k tokens (-1: as many as allowed)
             k = limit if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -315,6 +332,7 @@ class LLMEngine:
         self._last_batch = []
         prev = self._inflight
         outputs: list[StepOutput] = []
+        generated = self.generation_tokens
         if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
             self._inflight = None
             outputs += self._finish_launched(prev)
@@ -342,6 +360,8 @@ class LLMEngine:
             self.adapters.wait_for_loads(0.05)  # nothing runnable until an adapter arrives: don't spin
         outputs += self._finished_outputs
         self._finished_outputs = []
+        if self.spec is not None:  # the step's rate, for the measured back-off
+            self.spec.end_step(self.generation_tokens - generated)
         return outputs
 
     def _step_failed(self, seqs: list[Sequence], e: Exception) -> None:
@@ -398,6 +418,8 @@ class LLMEngine:
             logits, sampled_idx = self.runner.run(batch, lora, [r for r, _, _ in plp_rows] + spec_rows, **extra)
         else:
             logits, sampled_idx = self.runner.run(batch, lora, **extra)
+        if self.spec is not None:  # a draft model's KV follows every target forward
+            self.spec.after_forward(batch)
         deferred = self._inflight is not None  # placeholders in the computed range: register blocks later
         if deferred:
             for seq, n in zip(batch.seqs, batch.num_scheduled_tokens):
@@ -527,6 +549,8 @@ class LLMEngine:
                 continue
             if copy is not None:
                 self.runner.copy_blocks([copy])
+                if self.draft is not None:
+                    self.draft.runner.copy_blocks([copy])
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = SequenceStatus.RUNNING
             child.ever_scheduled = True

@@ -1,5 +1,6 @@
-"""Paged attention over the KV cache: rope on this step's q and k and their store into the cache (one fused kernel),
-then the decode and prefill parts separately.
+"""Paged attention over the KV cache: rope on this step's q and k and their store into the cache, then the decode and
+prefill parts separately; on Triton the decode rows' rope and store run inside their attention kernel, the prefill
+rows' in one fused kernel before theirs.
 
 sliding_window (keys at positions > p - window) and softcap (scores c * tanh(s / c)) are per layer, as the
 kernels define them (docs/CONTRACTS.md). Under torch.compile the rope is traced (inductor fuses it into its loops)
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from loom.kernels import paged_decode_attention, paged_prefill_attention, store_kv, torch_ops
-from loom.kernels.dispatch import rotary_store_kv
+from loom.kernels.dispatch import rope_store_decode_attention, rotary_store_kv
 from loom.layers.forward_context import get_forward_context
 
 
@@ -24,7 +25,8 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.softcap = sliding_window, softcap
-        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
+        # Bound by the model runner once the cache is allocated: [num_blocks, kv_heads, block_size, head_dim]
+        # (kernels/kv_layout.py).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -37,9 +39,22 @@ class PagedAttention(nn.Module):
             rotary(positions, q, k)
             return torch.ops.loom.paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale,
                                                   self.sliding_window, self.softcap)
-        rotary_store_kv(positions, q, k, v, rotary.cos_sin_cache, self.k_cache, self.v_cache,
-                        get_forward_context().slot_mapping)
-        return attend(q, self.k_cache, self.v_cache, self.scale, self.sliding_window, self.softcap)
+        ctx = get_forward_context()
+        d, cs, kc, vc = ctx.num_decode_seqs, rotary.cos_sin_cache, self.k_cache, self.v_cache
+        if not d:
+            rotary_store_kv(positions, q, k, v, cs, kc, vc, ctx.slot_mapping)
+            return attend(q, kc, vc, self.scale, self.sliding_window, self.softcap)
+        # the decode rows' rope and K/V store run inside their attention (one launch on Triton), the rest's before
+        # theirs: the two parts are different sequences
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dec = ctx.decode
+        rope_store_decode_attention(positions[:d], q[:d], k[:d], v[:d], cs, kc, vc, ctx.slot_mapping[:d],
+                                    dec.block_tables, dec.seq_lens, self.scale, out=out[:d],
+                                    sliding_window=self.sliding_window, softcap=self.softcap)
+        if q.shape[0] > d:
+            rotary_store_kv(positions[d:], q[d:], k[d:], v[d:], cs, kc, vc, ctx.slot_mapping[d:])
+        _attend_prefill(q, out, d, kc, vc, self.scale, self.sliding_window, self.softcap)
+        return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,11 +75,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale:
         dec = ctx.decode
         paged_decode_attention(q[:d], k_cache, v_cache, dec.block_tables, dec.seq_lens, scale, out=out[:d],
                                sliding_window=sliding_window, softcap=softcap)
-    pre = ctx.prefill
+    _attend_prefill(q, out, d, k_cache, v_cache, scale, sliding_window, softcap)
+    return out
+
+
+def _attend_prefill(q, out, d, k_cache, v_cache, scale, sliding_window, softcap) -> None:
+    """out[d:] = the prefill part's attention (rows d on), when the step has one."""
+    pre = get_forward_context().prefill
     if pre is not None:
         paged_prefill_attention(q[d:], k_cache, v_cache, pre.cu_seqlens_q, pre.seq_lens, pre.block_tables,
                                 pre.max_seqlen_q, scale, out=out[d:], sliding_window=sliding_window, softcap=softcap)
-    return out
 
 
 # It also writes this step's K/V into the caches; no op of a compiled graph reads them, so declaring it

@@ -33,6 +33,7 @@ class LoraBatchMeta:
     row_start_cpu: list[int] | None = None
     ranks_cpu: list[int] | None = None
     scalings_cpu: list[float] | None = None
+    versions_cpu: list[int] | None = None  # the groups' adapter versions (tensor parallelism: every rank checks them)
     # Module groups (qkv_proj, o_proj, gate_up_proj, down_proj; experts_* in `experts`) that some adapter of the
     # step targets; the others skip LoRA entirely (PEFT's default adapters touch only q and v). None = all.
     module_groups: frozenset[str] | None = None

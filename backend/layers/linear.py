@@ -6,6 +6,7 @@ grouping of tokens by adapter comes from the forward context (under torch.compil
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,6 +20,28 @@ from loom.layers.forward_context import get_forward_context
 # tensor, or None: those rows are zeros). ALL is the whole of either.
 ALL = (slice(None),)
 Piece = tuple[tuple, Optional[tuple]]
+
+
+@dataclass(frozen=True)
+class LoraShard:
+    """Tensor parallelism: which part of an adapter's full A [.., in] and B^T [.., out] a rank's module holds (S-LoRA):
+    a column-parallel layer takes all of A and its own output columns of B, slice by slice; a row-parallel one its
+    own input columns of A and all of B (its rank-r partial product goes through B before the layer's one
+    all-reduce: the sum over ranks of (x_r A_r^T) B is (x A^T) B, so LoRA adds no collective). full_in and
+    full_sizes are the full model's (what an adapter's checkpoint holds)."""
+
+    full_in: int
+    full_sizes: tuple[int, ...]
+    in_cols: tuple[int, int] | None = None  # A: [start, stop) of the full input; None: all
+    out_cols: tuple[tuple[int, int], ...] | None = None  # B: per slice, [start, stop) of the full output; None: all
+
+    def take_a(self, a: torch.Tensor) -> torch.Tensor:
+        return a if self.in_cols is None else a[..., self.in_cols[0]:self.in_cols[1]]
+
+    def take_b(self, b: torch.Tensor) -> torch.Tensor:
+        if self.out_cols is None:
+            return b
+        return torch.cat([b[..., lo:hi] for lo, hi in self.out_cols], dim=-1)
 
 
 class LoRALinear(nn.Module):
@@ -35,6 +58,7 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [num_slices, R, in]
         self.lora_b: torch.Tensor | None = None  # [R, sum(output_sizes)]
         self.lora_group: str | None = None  # set with the pools: qkv_proj, o_proj, gate_up_proj or down_proj
+        self.lora_shard: LoraShard | None = None  # tensor-parallel layers: the part of an adapter this rank holds
         # set by the engine where its kernel path packs weights (engine/worker/cpu.py): a GEMM over a packed copy of the
         # weight, dense(x) and dense.with_lora(...) (kernels/cpu_linear.PackedWeight)
         self.dense = None

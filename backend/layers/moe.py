@@ -3,7 +3,8 @@
 Routing is transformers': softmax over the router logits in float32, top-k of the probabilities, then (Mixtral
 always, Qwen3-MoE with norm_topk_prob) division by their sum; Qwen3-MoE rounds the weights to the model dtype.
 The experts run in `kernels.fused_moe` (one grouped GEMM launch for gate/up, one for down; on CPU the engine packs
-them for the C++ GEMM instead, kernels/cpu_moe.py); a step in which some adapter carries expert LoRA
+them for the C++ GEMM instead, kernels/cpu_moe.py), or where a quantized checkpoint stores them, kept quantized in a
+layers/quant_experts.QuantExperts in place of Experts; a step in which some adapter carries expert LoRA
 (`LoraBatchMeta.experts`, the expert rows of those adapters' tokens) runs `kernels.fused_moe_lora` instead (PyTorch,
 on every device).
 
@@ -18,18 +19,21 @@ from torch import nn
 
 from loom.kernels import fused_moe, fused_moe_lora
 from loom.layers.forward_context import get_forward_context
-from loom.layers.linear import ALL, Piece
+from loom.layers.linear import ALL, LoraShard, Piece
 
 
 class ExpertLoRA(nn.Module):
-    """Where the adapter registry attaches one layer's expert LoRA pools: lora_a [E, S, R, in], lora_b [E, R, out]."""
+    """Where the adapter registry attaches one layer's expert LoRA pools: lora_a [E, S, R, in], lora_b [E, R, out];
+    lora_shard (tensor parallelism): the part of an adapter this rank's experts hold (layers.linear.LoraShard)."""
 
-    def __init__(self, num_experts: int, in_features: int, output_sizes: list[int]):
+    def __init__(self, num_experts: int, in_features: int, output_sizes: list[int],
+                 lora_shard: LoraShard | None = None):
         super().__init__()
         self.num_experts, self.in_features, self.output_sizes = num_experts, in_features, list(output_sizes)
         self.lora_a: torch.Tensor | None = None
         self.lora_b: torch.Tensor | None = None
         self.lora_group: str | None = None
+        self.lora_shard = lora_shard
 
 
 class Experts(nn.Module):
@@ -46,8 +50,14 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
-        self.lora_gate_up = ExpertLoRA(num_experts, hidden_size, [intermediate_size] * 2)
-        self.lora_down = ExpertLoRA(num_experts, intermediate_size, [hidden_size])
+        # expert LoRA sharded as the experts (S-LoRA): gate|up's B by this rank's intermediate columns of each half,
+        # down's A by its intermediate inputs; the partial down deltas join the block's one all-reduce
+        full, gu, dn = self.full_intermediate, None, None
+        if intermediate_size < full:
+            gu = LoraShard(hidden_size, (full, full), None, ((start, stop), (full + start, full + stop)))
+            dn = LoraShard(full, (hidden_size,), (start, stop), None)
+        self.lora_gate_up = ExpertLoRA(num_experts, hidden_size, [intermediate_size] * 2, gu)
+        self.lora_down = ExpertLoRA(num_experts, intermediate_size, [hidden_size], dn)
         # set by the engine on CPU: the experts over packed copies of their weights, dense(x, weights, ids)
         self.dense = None
 
@@ -97,7 +107,10 @@ class SparseMoeBlock(nn.Module):
             experts = meta.experts if meta is not None else None
             if experts is not None and experts.token_indices.numel() > 0:
                 lora = (e.lora_gate_up.lora_a, e.lora_gate_up.lora_b, e.lora_down.lora_a, e.lora_down.lora_b)
-                return fused_moe_lora(x, e.gate_up_proj, e.down_proj, weights, ids, lora, experts)
+                w13, w2 = (e.gate_up_proj, e.down_proj) if isinstance(e, Experts) else e.dequantized(x.dtype)
+                return fused_moe_lora(x, w13, w2, weights, ids, lora, experts)
         if e.dense is not None:
             return e.dense(x, weights, ids)
+        if not isinstance(e, Experts):  # layers/quant_experts.QuantExperts: the quantized experts' own path
+            return e(x, weights, ids)
         return fused_moe(x, e.gate_up_proj, e.down_proj, weights, ids)

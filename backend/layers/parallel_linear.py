@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.errors import ConfigError
-from loom.layers.linear import ALL, LoRALinear, Piece
+from loom.layers.linear import ALL, LoRALinear, LoraShard, Piece
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,9 @@ class ColumnParallelLinear(LoRALinear):
         self.full_offsets = [0]
         for s in shards:
             self.full_offsets.append(self.full_offsets[-1] + s.full)
+        # LoRA: A whole, B's columns of this rank's part of each slice (replicated KV heads: the head it holds)
+        self.lora_shard = LoraShard(in_features, tuple(s.full for s in shards), None,
+                                    tuple((o + s.start, o + s.stop) for o, s in zip(self.full_offsets, shards)))
 
     def checkpoint_pieces(self, kind: str, slice_index: int | None) -> list[Piece]:
         """A slice's own tensor (q_proj, gate_proj, ...) or the fused one (Phi-3's qkv_proj, gate_up_proj)."""
@@ -101,6 +104,8 @@ class RowParallelLinear(LoRALinear):
     def __init__(self, shard: Shard, out_features: int, bias: bool, tp):
         super().__init__(shard.size, [out_features], bias=bias)
         self.shard, self.tp = shard, tp
+        # LoRA: A's columns of this rank's input, B whole; the delta joins the partial output before the all-reduce
+        self.lora_shard = LoraShard(shard.full, (out_features,), (shard.start, shard.stop), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))

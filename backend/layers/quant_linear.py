@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from loom.kernels.dispatch import quant_linear
+from loom.kernels.dispatch import quant_linear_parts
 from loom.layers.linear import LoRALinear
 from loom.models.quant.weight import QuantizedWeight, dequantize
 
@@ -33,6 +33,7 @@ class QuantLinear(LoRALinear):
         self.bias = base.bias
         self.lora_a = self.lora_b = None
         self.lora_group = base.lora_group
+        self.lora_shard = base.lora_shard
         self.dense = None  # the C++ layer pass and the fused LoRA epilogue take float panels only
         self.parts = list(parts)
         stops = [start for start, _ in self.parts[1:]] + [self.slice_offsets[-1]]
@@ -46,16 +47,16 @@ class QuantLinear(LoRALinear):
         return self.slice_offsets[-1]
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return quant_linear(x, self.parts[0][1], self.bias)
-        outs = [quant_linear(x, w, None) for _, w in self.parts]
-        y = torch.cat(outs, dim=-1)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return quant_linear_parts(x, self.parts, self.bias)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] (for tests and checks; never used by the forward)."""
         return torch.cat([w.dequantize(dtype) if not isinstance(w, QuantizedWeight) else dequantize(w, dtype)
                           for _, w in self.parts])
+
+    def quantized_weights(self) -> list:
+        """The QuantizedWeight parts (not yet re-laid out): what loom.engine.worker.memory_plan.model_bytes counts."""
+        return [w for _, w in self.parts if isinstance(w, QuantizedWeight)]
 
     def map_parts(self, fn) -> None:
         """Replace each part's weight by fn(weight) (engine/worker/cpu.py: the CPU re-layout)."""
@@ -79,15 +80,17 @@ def concat_out(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     for w in weights:
         if (w.kind, w.bits, w.group_size, w.block, w.zero is None, w.shape[1], tuple(w.scale.shape[1:])) != key:
             return None
-        if (w.g_idx is None) != (first.g_idx is None) or (w.g_idx is not None and not torch.equal(w.g_idx,
-                                                                                                   first.g_idx)):
+        if (w.g_idx is None) != (first.g_idx is None) or (w.g_idx is not None and w is not first and (
+                w.g_idx.is_meta or not torch.equal(w.g_idx, first.g_idx))):  # meta: act-orders taken as distinct
             return None
     if first.block is not None and any(w.shape[0] % first.block[0] for w in weights[:-1]):
         return None
 
     scale_dtype = first.scale.dtype if all(w.scale.dtype == first.scale.dtype for w in weights) else torch.float32
-    same_single = first.block is None and all(w.scale.shape[0] == 1 and torch.equal(w.scale, first.scale) and
-                                              (w.zero is None or torch.equal(w.zero, first.zero)) for w in weights)
+    # (meta weights, loom.engine.worker.memory_plan: values unknown, slices' per-tensor scales taken as distinct)
+    same_single = first.block is None and not first.scale.is_meta and all(
+        w.scale.shape[0] == 1 and torch.equal(w.scale, first.scale) and
+        (w.zero is None or torch.equal(w.zero, first.zero)) for w in weights)
 
     def rows(w: QuantizedWeight, t: torch.Tensor) -> torch.Tensor:
         """Block-wise rows as they are; otherwise a row per output column (a per-tensor one expanded)."""

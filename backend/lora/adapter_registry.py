@@ -84,14 +84,16 @@ def _loader_thread(device: torch.device) -> None:
 
 
 class AdapterRegistry:
-    def __init__(self, config, model: torch.nn.Module, device, dtype: torch.dtype, spec: LoraModelSpec | None = None):
+    def __init__(self, config, model: torch.nn.Module, device, dtype: torch.dtype, spec: LoraModelSpec | None = None,
+                 tp=None):
+        """tp: rank 0's tensor-parallel group, or None (loom.lora.tp_pools: the other ranks' rows follow these)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.roots = list(config.adapter_roots)
         self.max_lora_rank = int(config.max_lora_rank)
         self.spec = spec if spec is not None else LoraModelSpec.from_model(model)
-        self.residency = RowResidency(config, self.spec, model, self.device, dtype)  # device rows and host tier
+        self.residency = RowResidency(config, self.spec, model, self.device, dtype, tp)  # device rows and host tier
         self.pools: tuple[LoraPool, LoraPool] = self.residency.pools
         self.pool, self.expert_pool = self.pools  # dense, expert
         self._pin = self.device.type == "cuda"

@@ -57,6 +57,7 @@ def _space_meta(seq_versions: list[AdapterVersion | None], counts: torch.Tensor,
     row_start: list[int] = []
     ranks: list[int] = []
     scalings: list[float] = []
+    versions: list[int] = []
     for i, v in enumerate(seq_versions):
         if v is None or not v.ranks[space]:
             continue
@@ -66,6 +67,7 @@ def _space_meta(seq_versions: list[AdapterVersion | None], counts: torch.Tensor,
             row_start.append(v.rows[space])
             ranks.append(v.ranks[space])
             scalings.append(float(v.scaling))
+            versions.append(v.version)
             targeted.update(GROUP_LAYOUT[PROJ_TO_GROUP[p][0]][0] for p in v.targets
                             if (p in EXPERT_PROJS) == (space == EXPERT))
         seq_group[i] = g
@@ -90,6 +92,7 @@ def _space_meta(seq_versions: list[AdapterVersion | None], counts: torch.Tensor,
         row_start_cpu=row_start,
         ranks_cpu=ranks,
         scalings_cpu=scalings,
+        versions_cpu=versions,
         module_groups=frozenset(targeted) if targeted else None,
     )
 
@@ -102,6 +105,6 @@ def _empty_meta(device: torch.device) -> LoraBatchMeta:
         row_start=torch.zeros(0, dtype=torch.int32, device=device),
         ranks=torch.zeros(0, dtype=torch.int32, device=device),
         scalings=torch.zeros(0, dtype=torch.float32, device=device),
-        max_rank=0, max_seg_len=0, seg_starts_cpu=[0], row_start_cpu=[], ranks_cpu=[], scalings_cpu=[],
+        max_rank=0, max_seg_len=0, seg_starts_cpu=[0], row_start_cpu=[], ranks_cpu=[], scalings_cpu=[], versions_cpu=[],
         module_groups=frozenset(),
     )

@@ -11,6 +11,9 @@ its `lora_a` / `lora_b`, j = the position of layer i among the group's layers.
 An adapter version owns the same contiguous rows [row_start, row_start + rank) in every pool of a space (all its
 groups, all layers), rank = its largest module rank among them (`rank_of`); groups or slices it does not target are
 written as zeros, so rows need no clearing when freed.
+Tensor parallelism: a rank's pools hold its part of each group (`LoraGroupSpec.shard`: all of A and its columns of
+B for column-parallel groups, its input columns of A and all of B for row-parallel ones), `write` slices the
+adapter's full weights to it, and every rank has the same rows (`make_pools`: the capacity all ranks agree on).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from loom.kernels.cpu_lora import pool_row
 from loom.kernels.cpu_memory import large_zeros
+from loom.lora.adapter_version import EXPERT, SPACE_FIELDS
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
 
@@ -93,8 +97,12 @@ def stored_row(device: torch.device, dtype: torch.dtype) -> Callable[[int], int]
 
 
 class LoraPool:
-    def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec: LoraModelSpec, capacity: int, device: torch.device, dtype: torch.dtype,
+                 row_bytes: int | None = None):
+        """row_bytes (tensor parallelism): the largest part of a row any rank's pools hold, what `row_bytes` says
+        (a row's cost on the rank where it costs most); None: this pool's."""
         self.spec = spec
+        self._row_bytes = row_bytes
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -105,7 +113,7 @@ class LoraPool:
             row = stored_row(self.device, dtype)
             for g in spec.groups:
                 lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
-                k, n = g.in_features, g.out_features
+                k, n = g.held_in_features, g.held_out_features
                 # on the CPU on huge pages: a decode step with many adapters reads rows all over them
                 self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, row(k)), dtype, self.device)[..., :k]
                 self.b[g.name] = large_zeros((*lead, self.capacity, row(n)), dtype, self.device)[..., :n]
@@ -123,7 +131,7 @@ class LoraPool:
 
     @property
     def row_bytes(self) -> int:
-        return LoraPool.row_bytes_for(self.spec, self.dtype, self.device)
+        return self._row_bytes or LoraPool.row_bytes_for(self.spec, self.dtype, self.device)
 
     def rank_of(self, w: AdapterWeights) -> int:
         """Rows the adapter takes in this pool: its largest module rank among the pool's groups; 0 = none targeted."""
@@ -160,8 +168,11 @@ class LoraPool:
                 dst_a.zero_()
                 dst_b.zero_()
             else:  # rows past r of a padded group are zeros: the pool takes only the first r
+                src_b = w.b[g.name][..., :r, :]
+                if g.shard is not None:  # this rank's part of the full weights
+                    src_a, src_b = g.shard.take_a(src_a), g.shard.take_b(src_b)
                 dst_a.copy_(src_a[..., :r, :], non_blocking=nb)
-                dst_b.copy_(w.b[g.name][..., :r, :], non_blocking=nb)
+                dst_b.copy_(src_b, non_blocking=nb)
 
     def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Host copies of rows (tests / debugging)."""
@@ -177,3 +188,20 @@ class LoraPool:
             a, b = self.a[g.name], self.b[g.name]
             a[..., dst:dst + n, :] = a[..., src:src + n, :].clone()
             b[..., dst:dst + n, :] = b[..., src:src + n, :].clone()
+
+
+def make_pools(config, spec: LoraModelSpec, device: torch.device, dtype: torch.dtype,
+               agree: Callable[[int], int] | None = None) -> tuple[LoraPool, LoraPool]:
+    """The pools of both row spaces (dense, expert), sized by lora_memory_bytes / lora_expert_memory_bytes.
+    agree (tensor parallelism: the minimum over the ranks, a collective every rank makes in this order): the rows
+    every rank's pools hold, so that a row number means the same rows on every rank, and the largest part of a row
+    a rank holds (uneven shards: 3 KV heads on 2 ranks), which the pools' sizes and refusals quote."""
+    pools = []
+    for space, field_name in enumerate(SPACE_FIELDS):
+        sub = spec.space(expert=space == EXPERT)
+        capacity = LoraPool.capacity_for(sub, getattr(config, field_name), dtype, device)
+        row = None
+        if agree is not None:
+            capacity, row = agree(capacity), -agree(-LoraPool.row_bytes_for(sub, dtype, device))
+        pools.append(LoraPool(sub, capacity, device, dtype, row))
+    return pools[0], pools[1]

@@ -7,6 +7,8 @@ the slices (q_proj, ..., up_proj); Phi-3 names the fused modules (qkv_proj, gate
 every slice; MoE experts are parameters (experts.gate_up_proj, experts.down_proj), targeted with PEFT's
 target_parameters. The groups fall into two row spaces (`LoraModelSpec.space`): the dense groups and the expert
 groups, each with its own pools, so only adapters that target experts pay for expert rows.
+Under tensor parallelism a group's shapes are the full model's (what adapters' checkpoints hold) and its `shard`
+says which part this rank's pools hold (loom.layers.linear.LoraShard): pools are sized and written by `held_*`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from loom.layers.linear import LoraShard
 
 SUPPORTED_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_PROJS = ("qkv_proj", "gate_up_proj")  # Phi-3's checkpoint modules
@@ -55,6 +59,19 @@ class LoraGroupSpec:
     output_sizes: tuple[int, ...]
     num_experts: int = 0  # MoE experts: one LoRA per expert
     layers: tuple[int, ...] = ()  # empty = every layer
+    shard: Optional[LoraShard] = None  # tensor parallelism: this rank's part; None = all of it
+
+    @property
+    def held_in_features(self) -> int:
+        """A's columns this rank's pools hold."""
+        cols = self.shard.in_cols if self.shard is not None else None
+        return self.in_features if cols is None else cols[1] - cols[0]
+
+    @property
+    def held_out_features(self) -> int:
+        """B's columns this rank's pools hold."""
+        cols = self.shard.out_cols if self.shard is not None else None
+        return self.out_features if cols is None else sum(hi - lo for lo, hi in cols)
 
     @property
     def num_slices(self) -> int:
@@ -77,8 +94,8 @@ class LoraGroupSpec:
         return self.stored_per_row(lambda n: n)
 
     def stored_per_row(self, row: Callable[[int], int]) -> int:
-        """elems_per_row where a pool row of n elements is stored in row(n) (a CPU pool's padding)."""
-        return max(1, self.num_experts) * (self.num_slices * row(self.in_features) + row(self.out_features))
+        """elems_per_row where a pool row of n elements is stored in row(n) (a CPU pool's padding); this rank's part."""
+        return max(1, self.num_experts) * (self.num_slices * row(self.held_in_features) + row(self.held_out_features))
 
     @property
     def is_expert(self) -> bool:
@@ -139,6 +156,7 @@ class LoraModelSpec:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> "LoraModelSpec":
+        """The full model's groups (a tensor-parallel rank's with the part it holds: `shard`)."""
         found = model.lora_modules()  # (layer, group name) -> module: the model says which are LoRA-capable
         if not found:
             raise ValueError("the model has no LoRA-capable layers (layers.N.self_attn.qkv_proj, ...)")
@@ -149,16 +167,15 @@ class LoraModelSpec:
             layers = sorted(layer for layer, g in found if g == name)
             if not layers:
                 continue
-            shapes = {(int(found[(i, name)].in_features), tuple(int(s) for s in found[(i, name)].output_sizes),
-                       int(getattr(found[(i, name)], "num_experts", 0))) for i in layers}
+            shapes = {_full_shape(found[(i, name)]) for i in layers}
             if len(shapes) > 1:
-                raise ValueError(f"layers.*.{path} differ in shape {sorted(shapes)} (non-uniform layers are not "
-                                 "supported)")
-            in_f, outs, experts = shapes.pop()
+                raise ValueError(f"layers.*.{path} differ in shape {sorted(shapes, key=str)} (non-uniform layers "
+                                 "are not supported)")
+            in_f, outs, experts, shard = shapes.pop()
             if arch == "Phi3ForCausalLM" and name in FUSED_PROJS:
                 projs = (name,)  # Phi-3 keeps q|k|v and gate|up fused in its HF modules
             every = len(layers) == num_layers
-            groups.append(LoraGroupSpec(name, path, projs, in_f, outs, experts, () if every else tuple(layers)))
+            groups.append(LoraGroupSpec(name, path, projs, in_f, outs, experts, () if every else tuple(layers), shard))
         return cls(num_layers, tuple(groups), arch)
 
     @classmethod
@@ -178,3 +195,12 @@ class LoraModelSpec:
         }
         groups = tuple(LoraGroupSpec(n, p, projs, *dims[n]) for n, p, _, projs in GROUP_LAYOUT[:4])
         return cls(cfg.num_hidden_layers, groups, (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0])
+
+
+def _full_shape(mod) -> tuple[int, tuple[int, ...], int, Optional[LoraShard]]:
+    """(full in_features, full output sizes, experts, shard) of a LoRA-capable module."""
+    shard = getattr(mod, "lora_shard", None)
+    experts = int(getattr(mod, "num_experts", 0))
+    if shard is None:
+        return int(mod.in_features), tuple(int(s) for s in mod.output_sizes), experts, None
+    return shard.full_in, tuple(shard.full_sizes), experts, shard

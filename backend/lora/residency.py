@@ -27,27 +27,28 @@ from __future__ import annotations
 import torch
 
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, AdapterVersion
-from loom.lora.lora_pool import LoraPool
+from loom.lora.lora_pool import LoraPool, make_pools
 from loom.lora.model_spec import LoraModelSpec
 from loom.lora.row_copies import RowCopies
+from loom.lora.tp_pools import PeerLog
 
 
 class RowResidency:
     """The pools of both row spaces and the set of live versions (the registry adds them; they are freed here)."""
 
     def __init__(self, config, spec: LoraModelSpec, model: torch.nn.Module | None, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, tp=None):
+        """tp: rank 0's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
         self.config = config
         self.max_host_adapters = int(config.max_host_adapters)
         self.max_host_bytes = int(config.max_host_adapter_bytes)  # 0: the count alone
-        pools = []
-        for space, field_name in zip((DENSE, EXPERT), SPACE_FIELDS):
-            sub = spec.space(expert=space == EXPERT)
-            pools.append(LoraPool(sub, LoraPool.capacity_for(sub, getattr(config, field_name), dtype, device),
-                                  device, dtype))
-            if model is not None:
-                pools[-1].attach(model)
-        self.pools: tuple[LoraPool, LoraPool] = tuple(pools)
+        self.pools: tuple[LoraPool, LoraPool] = make_pools(config, spec, device, dtype,
+                                                           tp.min_int if tp is not None else None)
+        if model is not None:
+            for pool in self.pools:
+                pool.attach(model)
+        # tensor parallelism: the rows written and moved here, for the other ranks to repeat before the next step
+        self.peer_log = PeerLog(self.pools) if tp is not None else None
         self.versions: set[AdapterVersion] = set()
         self.evictions = [0, 0]  # per space
         self.compactions = [0, 0]
@@ -78,12 +79,12 @@ class RowResidency:
         in flight: `sync` before a step reads them). evict_held=False: take only free rows or rows of holders no
         request holds. False if a space has no room now: rows taken in the other space stay cached (evictable, not
         pinned)."""
-        for space, pool in enumerate(self.pools):
+        for space in (DENSE, EXPERT):
             if v.ranks[space] and v.rows[space] < 0:
                 start = self._alloc_rows(space, v.ranks[space], evict_held)
                 if start is None:
                     return False
-                self._write(v, pool, start)
+                self._write(v, space, start)
                 v.rows[space] = start
         return True
 
@@ -92,8 +93,10 @@ class RowResidency:
         not; CPU: the copier is done with them)."""
         self.copies.sync(v)
 
-    def _write(self, v: AdapterVersion, pool: LoraPool, start: int) -> None:
-        host = v.host
+    def _write(self, v: AdapterVersion, space: int, start: int) -> None:
+        pool, host = self.pools[space], v.host
+        if self.peer_log is not None:
+            self.peer_log.write(space, start, v.ranks[space], host, v.version)
         self.copies.write(v, lambda: pool.write(start, host))
 
     def maybe_free(self, v: AdapterVersion) -> None:
@@ -179,6 +182,8 @@ class RowResidency:
         for v in sorted((x for x in self.versions if x.rows[space] >= 0), key=lambda x: x.rows[space]):
             if v.rows[space] != pos:
                 pool.move(v.rows[space], pos, v.ranks[space])
+                if self.peer_log is not None:
+                    self.peer_log.move(space, v.rows[space], pos, v.ranks[space])
                 v.rows[space] = pos
             pos += v.ranks[space]
         pool.allocator.reset(pos)

@@ -90,8 +90,8 @@ def _layer_args(layer) -> Optional[LayerArgs]:
                       getattr(layer.mlp, "act_and_mul", None) is gelu_tanh_and_mul)
 
 
-def _hidden_rows(t: Optional[torch.Tensor], hidden: int) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == hidden and t.is_contiguous())
+def _hidden_rows(t: Optional[torch.Tensor], hidden: int, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.dim() == 2 and t.shape[1] == hidden and t.is_contiguous())
 
 
 class LayerPass:
@@ -104,14 +104,15 @@ class LayerPass:
         self._buffers: tuple = ()
         # grow-only: a prefill chunk's workspace is tens of MB, above what malloc keeps for reuse
         # (engine/worker/cpu.py); allocated every step it would be mapped and zeroed afresh
-        self._ws = torch.empty(0)
-        self._row_buf = torch.empty(0)
+        self._ws = torch.empty(0)  # float32 elements: as many as the layer's type needs (bfloat16: twice enough)
+        self._row_buf = torch.empty(0)  # of the layers' dtype
 
     def __call__(self, layer, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                  following=None):
         """following: the decoder layer that runs next, if any (its adapter rows are asked for ahead)."""
         args = self._args(layer)
-        if args is None or not (_hidden_rows(x, args.hidden) and _hidden_rows(residual, args.hidden)):
+        if args is None or not (_hidden_rows(x, args.hidden, args.dtype) and
+                                _hidden_rows(residual, args.hidden, args.dtype)):
             return layer(positions, x, residual)
         step = self._step_for(args, positions, x.shape[0])
         if step is None:
@@ -157,6 +158,8 @@ class LayerPass:
                 slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != T:
             return None
         lora = ctx.lora
+        if args.dtype != torch.float32 and lora is not None and lora.num_groups and lora.token_indices.numel():
+            return None  # the bfloat16 layer takes no LoRA: the Python path applies it
         # the linears adapters of this step target (each applies them only where it has pools)
         groups = tuple(lora is not None and (lora.module_groups is None or name in lora.module_groups)
                        for name in _GROUPS)
@@ -165,8 +168,8 @@ class LayerPass:
         n, rows = args.workspace_floats(T), T * args.hidden
         if self._ws.numel() < n:
             self._ws = torch.empty(n)
-        if self._row_buf.numel() < 4 * rows:
-            self._row_buf = torch.empty(4 * rows)
+        if self._row_buf.numel() < 4 * rows or self._row_buf.dtype != args.dtype:
+            self._row_buf = torch.empty(4 * rows, dtype=args.dtype)
         x0, r0, x1, r1 = (self._row_buf[i * rows:(i + 1) * rows].view(T, args.hidden) for i in range(4))
         self._buffers = (self._ws, ((x0, r0), (x1, r1)))
         return step

@@ -1,7 +1,6 @@
 """Load an HF model directory as is: config.json + single or sharded safetensors (never pickle)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -12,13 +11,22 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from loom.errors import ConfigError
-from loom.kernels.policy import REFERENCE, decide
-from loom.layers.linear import ALL, LoRALinear
-from loom.layers.quant_linear import QuantLinear, concat_out
+from loom.layers.linear import ALL
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
 from loom.models.llama import LlamaForCausalLM
-from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize
+from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize, quantized_modules
+from loom.models.quant_layers import (
+    EXPERT,
+    FUSED,
+    MIXTRAL_BLOCK,
+    expert_slot,
+    install_quant_experts,
+    keeps_quantized,
+    kept_quantized,
+    place_quant_linear,
+    quantized_slice,
+)
 from loom.models.spec import ModelSpec
 
 log = logging.getLogger("loom")
@@ -91,14 +99,25 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         raise ConfigError("tensor_parallel_size", f"{arch} is not served with tensor_parallel_size > 1 yet "
                           f"(served: {sorted(TENSOR_PARALLEL_ARCHITECTURES)})")
     files = safetensors_files(model_dir)
-    with torch.device("meta"):
-        model = SUPPORTED_ARCHITECTURES[arch](cfg, max_position, tp=tp)
+    model = build_meta_model(cfg, max_position, tp, dtype)
+    quant = model.spec.quant
+    # quantized weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
+    # weight-only GEMM on CPU), else they are dequantised here. Kept: the float weights of the layers (and MoE
+    # experts) the checkpoint stores wholly quantized are never allocated (they stay on the meta device until their
+    # module is replaced by a QuantLinear / QuantExperts): the load's peak is the quantized model, not the float one.
+    keep_quantized = keeps_quantized(quant, tp, device, dtype)
+    stored = quantized_modules(files, quant) if keep_quantized else {}
+    kept_linears, kept_experts = kept_quantized(model, stored)
+    if quant is not None:
+        why = "tensor parallelism: a shard of packed rows is not read yet" if tp is not None else \
+            "no quantized kernel for this device and dtype, kernels/policy.py"
+        log.info("%s checkpoint: %s", type(quant).__name__,
+                 f"{len(kept_linears)} linear layers and {len(kept_experts)} MoE experts modules kept quantized"
+                 if keep_quantized else f"its weights dequantised into {str(dtype)[6:]} at load ({why})")
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
-    # weights at the peak); the rope caches are rebuilt below in float32.
-    model = model.to(dtype=dtype).to_empty(device=device)
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):  # non-persistent buffers are lost by to_empty()
-            m.rebuild(device)
+    # weights at the peak); the rope caches are rebuilt in float32.
+    model = materialize(model, device, [f"{n}.weight" for n in kept_linears] +
+                        [f"{n}.{w}" for n in kept_experts for w in ("gate_up_proj", "down_proj")])
     # A tied config whose checkpoint still carries its own lm_head.weight: transformers ties the two only if
     # they are equal, else it keeps both (and warns). Load both, then decide the same way.
     tied_with_head = model.tie_word_embeddings and any(_has_tensor(f, "lm_head.weight") for f in files)
@@ -109,21 +128,24 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
     # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError);
     # under tensor parallelism an unquantized tensor comes as a lazy slice: only the rows a rank holds are read
-    quant = model.spec.quant
     tensors = _lazy_tensors(files) if tp is not None and quant is None else \
         checkpoint_tensors(files, quant, ModelLoadError)
-    # quantized linear weights stay quantized where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++
-    # weight-only GEMM on CPU), else they are dequantised here; module -> its slices' (first row, weight)
-    keep_quantized = quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
-    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+    quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # linear module -> its slices' (first row, weight)
+    experts: dict[str, dict[tuple[int, str], QuantizedWeight]] = {}  # experts module -> (expert, gate/up/down) -> w
     for path, name, tensor in tensors:
         if "rotary_emb.inv_freq" in name:
             continue
         target, pieces = _place(model, params, name)
         if target is None:
             raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
+        slot = expert_slot(name) if isinstance(tensor, QuantizedWeight) else None
+        if slot is not None and slot[0] in kept_experts:  # the experts become a QuantExperts once all are read
+            experts.setdefault(slot[0], {})[slot[1:]] = tensor
+            for index, _ in pieces:
+                covered[target][index[:covered[target].dim()]] = True
+            continue
         if isinstance(tensor, QuantizedWeight):
-            start = _quantized_slice(model, target, pieces) if keep_quantized else None
+            start = quantized_slice(model, target, pieces) if keep_quantized else None
             if start is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
                 quantized.setdefault(target[: -len(".weight")], []).append((start, tensor))
                 for index, _ in pieces:
@@ -142,7 +164,12 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                 dst.copy_(part)  # cast on the way (a float32 checkpoint into bf16: per tensor)
             covered[target][index[:covered[target].dim()]] = True
     for module_name, parts in quantized.items():
-        _quant_linear(model, params, module_name, parts, device)
+        place_quant_linear(model, params, module_name, parts, device)
+    for module_name, slots in experts.items():
+        install_quant_experts(model, module_name, slots, device)
+    unread = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if unread:  # a kept layer that was not replaced: its checkpoint tensors did not come as its module expects
+        raise ModelLoadError(f"{model_dir}: quantized weights of {unread[:8]} were not read as quantized")
     missing = sorted(n for n, c in covered.items() if not bool(c.all())
                      and not (n == "lm_head.weight" and model.tie_word_embeddings))
     if missing:
@@ -158,50 +185,29 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     return model, cfg
 
 
-def _quantized_slice(model, target: str, pieces: list) -> int | None:
-    """The first output row of a quantized checkpoint tensor in a LoRALinear's weight (a slice of a fused one, or the
-    whole), if the layer can hold it quantized (not tensor-parallel: a shard of packed rows is not read yet)."""
-    if not target.endswith(".weight") or len(pieces) != 1 or pieces[0][1] != ALL:
-        return None
-    module = model.get_submodule(target[: -len(".weight")])
-    if type(module) is not LoRALinear:
-        return None
-    index = pieces[0][0]
-    return 0 if index == ALL else index[0].start
+def build_meta_model(cfg, max_position: int, tp, dtype: torch.dtype):
+    """The model of a config on the meta device, its parameters in `dtype`: every tensor shaped, nothing allocated
+    (the loader materialises it; loom.engine.worker.memory_plan counts its bytes without weights). tp: a rank group,
+    or any object with `rank` and `world_size` (what the layers' shapes depend on), or None."""
+    with torch.device("meta"):
+        return SUPPORTED_ARCHITECTURES[cfg.architectures[0]](cfg, max_position, tp=tp).to(dtype=dtype)
 
 
-def _quant_linear(model, params: dict, module_name: str, parts: list, device) -> None:
-    """Put a QuantLinear in place of the LoRALinear whose slices `parts` are: one weight where they concatenate,
-    else one GEMM per part; a module some of whose slices the checkpoint stores unquantized gets its quantized ones
-    dequantised into its weight (logged)."""
-    base = model.get_submodule(module_name)
-    parts = sorted(parts, key=lambda p: p[0])
-    starts = [0]
-    for _, qw in parts:
-        starts.append(starts[-1] + qw.shape[0])
-    if [s for s, _ in parts] != starts[:-1] or starts[-1] != base.slice_offsets[-1]:
-        log.warning("%s: only some of its slices are quantized in the checkpoint: dequantised at load", module_name)
-        weight = params[f"{module_name}.weight"]
-        for start, qw in parts:
-            weight.data[start:start + qw.shape[0]].copy_(dequantize(qw, weight.dtype))
-        return
-    fused = concat_out([qw for _, qw in parts])
-    if fused is not None:
-        parts = [(0, fused)]
-    else:
-        log.info("%s: its slices' quantization differs (format, groups or act-order): one GEMM per slice",
-                 module_name)
-    parent_name, _, child = module_name.rpartition(".")
-    layer = QuantLinear(base, [(start, _on_device(qw, device)) for start, qw in parts])
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-
-
-def _on_device(qw: QuantizedWeight, device) -> QuantizedWeight:
-    def move(t):
-        return None if t is None else t.to(device)
-
-    return dataclasses.replace(qw, weight=move(qw.weight), scale=move(qw.scale), zero=move(qw.zero),
-                               g_idx=move(qw.g_idx))
+def materialize(model, device, keep_meta: list[str] = ()):
+    """A meta model's tensors allocated (uninitialised) on `device`, the rope caches rebuilt there in float32
+    (non-persistent buffers are lost by to_empty()); the parameters named in keep_meta left unallocated."""
+    held = []
+    for name in keep_meta:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        held.append((module, attr, module._parameters.pop(attr)))
+    model = model.to_empty(device=device)
+    for module, attr, p in held:
+        module._parameters[attr] = p
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.rebuild(device)
+    return model
 
 
 def _lazy_tensors(files: list[str]):
@@ -218,10 +224,7 @@ def _has_tensor(path: str, name: str) -> bool:
 
 
 # checkpoint names -> ours: Mixtral's legacy block name, one expert's projection, one slice of a fused linear
-_MIXTRAL_BLOCK = re.compile(r"\.block_sparse_moe\.")
-_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_SLICES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_SLICES = {name: (fused, i) for fused, names in FUSED.items() for i, name in enumerate(names)}
 _SLICE = re.compile(r"^(?P<pre>.*)\.(?P<proj>q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?P<kind>weight|bias)$")
 
 
@@ -234,8 +237,8 @@ def _place(model, params: dict, name: str) -> tuple[str | None, list]:
     q/k/v and gate/up tensors fill their slice; per-expert tensors (Mixtral w1/w3/w2, Qwen3-MoE gate/up/down_proj)
     fill one expert's rows of the stacked experts.gate_up_proj / down_proj, which transformers 5 files also hold
     whole."""
-    name = _MIXTRAL_BLOCK.sub(".mlp.", name)
-    m = _EXPERT.match(name)
+    name = MIXTRAL_BLOCK.sub(".mlp.", name)
+    m = EXPERT.match(name)
     if m:
         experts_name = m.group("pre")
         if f"{experts_name}.gate_up_proj" not in params:

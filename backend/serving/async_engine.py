@@ -46,6 +46,9 @@ log = logging.getLogger("loom.async_engine")
 MAX_STEPS_AHEAD = 2
 # A step with a request's first token and at most this many outputs yields the GIL to the output worker at once.
 YIELD_MAX_OUTPUTS = 4
+# An idle loop asks the engine for its health this often (a dead tensor-parallel rank makes the model not ready
+# without waiting for a request to find it).
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 @dataclass
@@ -296,8 +299,11 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                idle_check = False
                 while self._idle():
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_HEALTH_CHECK_S):
+                        idle_check = True
+                        break
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 calls, self._calls = self._calls, []
@@ -320,6 +326,8 @@ class AsyncEngine:
                     self._add(req)
                 if self._deadlines:
                     self._expire(time.monotonic())
+                if idle_check and self._unhealthy is None:
+                    self._check_idle_health()
                 if self._unhealthy is not None:
                     for r in list(self._reqs.values()):  # raced in after the engine broke
                         self._end(r, error=f"server: the model is unavailable: its engine is unhealthy "
@@ -443,6 +451,12 @@ class AsyncEngine:
             self._mark_unhealthy(fatal)
         elif self.max_failed_steps and getattr(self.engine, "failed_steps_in_a_row", 0) >= self.max_failed_steps:
             self._mark_unhealthy(f"{self.engine.failed_steps_in_a_row} engine steps in a row failed")
+
+    def _check_idle_health(self) -> None:
+        check = getattr(self.engine, "check_health", None)
+        reason = check() if check is not None else None
+        if reason:
+            self._mark_unhealthy(reason)
 
     def _on_step_error(self, e: Exception) -> None:
         """Fail the requests of the failed step with the cause and keep serving the rest."""

@@ -2,13 +2,13 @@
 
 namespace {
 
-// Decode reads the cache through the block table: blocks scattered in memory and each kv head's pass over a key tile
-// reading a slice of every row, a pattern the hardware prefetchers do not follow, and software prefetches did not
-// keep enough loads in flight (at most 14 GB/s of a core's 37). So decode sweeps the rows itself: one plain load per
-// cache line, in address order within each block, the rows of the next key tile spread between the kv heads' passes
-// over the current one, which then read from cache (decode attention of the default model, 32 sequences at 175
-// tokens, 30 layers, Zen 5 core: 17.7 -> 12.9 ms, 2 threads 9.6 -> 7.8). Prefill reads each key range once per
-// query tile, mostly from cache: no sweep there.
+// The cache is [blocks, KVH, block_size, D] (kernels/kv_layout.py): a kv head's rows of one block are contiguous.
+// Decode reads the cache through the block table: blocks scattered in memory, a pattern the hardware prefetchers do
+// not follow across blocks, and software prefetches did not keep enough loads in flight (at most 14 GB/s of a core's
+// 37, measured on the former position-major layout). So decode sweeps the rows itself: one plain load per cache line,
+// the rows of the next key tile spread between the kv heads' passes over the current one, which then read from cache
+// (decode attention of the default model, 32 sequences at 175 tokens, 30 layers, Zen 5 core: 17.7 -> 12.9 ms,
+// 2 threads 9.6 -> 7.8). Prefill reads each key range once per query tile, mostly from cache: no sweep there.
 
 // Up to 3 query rows that share a kv head and a key range (the query heads of one kv head, GQA) go through
 // the keys together: each key / value vector is loaded once for all of them.
@@ -112,7 +112,7 @@ inline void pv(float* const* acc, const float* p, int64_t ld, const KT* const* v
 
 constexpr int64_t KEY_TILE = 128;  // keys per online-softmax step (their K/V rows stay in L1/L2 for all rows)
 
-// One query row: its vector, where its output goes, its absolute position, its kv head's offset in a cache row.
+// One query row: its vector, where its output goes, its absolute position, its kv head's offset in a cache block.
 struct Row {
   const float* q;
   float* o;
@@ -124,20 +124,24 @@ struct Cache {
   const KT* k;
   const KT* v;
   const int32_t* table;  // this sequence's row of the block table
-  int64_t block_size, row_stride, D;  // row_stride = KVH * D: one position's keys of every kv head
+  int64_t block_size, KVH, D;  // a block: KVH runs of block_size rows of D
+
+  int64_t block_stride() const { return KVH * block_size * D; }
+  int64_t head_off(int64_t h) const { return h * block_size * D; }
 };
 
 template <class KT>
 struct Scratch {
   std::vector<const KT*> kp, vp;
   std::vector<float> s, acc, m, l;
+  std::vector<int64_t> heads;  // the head offsets the query rows read
   float sink = 0.f;  // where the sweep's loads go (touch)
 };
 
 // Attention of query rows of one sequence over its cached keys lo(r) <= k <= qpos(r), lo(r) = window > 0 ?
 // qpos(r) - window + 1 : 0, read in place through the block table: flash-style over tiles of KEY_TILE positions
-// (online softmax); each tile's rows (all kv heads of a position are contiguous) are located once and read from
-// memory once for all query rows, which may belong to several kv heads. Rows are ordered by ascending qpos.
+// (online softmax); each tile's positions are located once (a pointer to a position's row of kv head 0) and read
+// from memory once for all query rows, which may belong to several kv heads. Rows are ordered by ascending qpos.
 // `sweep`: load the rows ahead of use (decode, above).
 template <class KT>
 void attend_rows(const Row* rows, int64_t nq, const Cache<KT>& c, float scale, int64_t window, float softcap,
@@ -160,26 +164,26 @@ void attend_rows(const Row* rows, int64_t nq, const Cache<KT>& c, float scale, i
   w.l.assign(nq, 0.f);
   for (int64_t p = kmin; p <= kmax;) {  // one block-table lookup per block, not per position
     const int64_t in = p % bs, end = std::min(kmax + 1, p - in + bs);
-    int64_t off = (int64_t(c.table[p / bs]) * bs + in) * c.row_stride;
-    for (; p < end; ++p, off += c.row_stride) {
+    int64_t off = int64_t(c.table[p / bs]) * c.block_stride() + in * D;
+    for (; p < end; ++p, off += D) {
       w.kp[p - kmin] = c.k + off;
       w.vp[p - kmin] = c.v + off;
     }
   }
-  // the sweep: the slice of a row these query rows read (every kv head's, or one's), and how many rows of the next
-  // tile to load after each group's pass (a group: the query rows of one kv head, as below)
-  int64_t off_lo = rows[0].head_off, off_hi = rows[0].head_off, groups = 0;
-  for (int64_t r = 0; r < nq; ++r) {
-    off_lo = std::min(off_lo, rows[r].head_off);
-    off_hi = std::max(off_hi, rows[r].head_off);
-  }
+  // the sweep: the kv heads these query rows read (every one, or one), and how many positions of the next tile to
+  // load after each group's pass (a group: the query rows of one kv head, as below)
+  w.heads.clear();
+  int64_t groups = 0;
+  for (int64_t r = 0; r < nq; ++r)
+    if (std::find(w.heads.begin(), w.heads.end(), rows[r].head_off) == w.heads.end())
+      w.heads.push_back(rows[r].head_off);
   for (int64_t r = 0; r < nq; r += group_size(r)) ++groups;
   const int64_t share = (KEY_TILE + groups - 1) / groups, n_rows = kmax + 1 - kmin;
-  int64_t swept = 0;  // rows [0, swept) of kp / vp were loaded
+  int64_t swept = 0;  // positions [0, swept) of kp / vp were loaded
   auto sweep_to = [&](int64_t to) {
     if (!sweep) return;
     for (to = std::min(to, n_rows); swept < to; ++swept)
-      touch(w.kp[swept] + off_lo, w.vp[swept] + off_lo, off_hi + D - off_lo, w.sink);
+      for (const int64_t h : w.heads) touch(w.kp[swept] + h, w.vp[swept] + h, D, w.sink);
   };
   for (int64_t t0 = kmin; t0 <= kmax; t0 += KEY_TILE) {
     const int64_t t1 = std::min(kmax + 1, t0 + KEY_TILE);
@@ -264,12 +268,12 @@ void paged_decode(const QT* q, int64_t qs0, int64_t qs1, const KT* kc, const KT*
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < B * split; ++i) {
       const int64_t b = i / split, h0 = (i % split) * per;
+      const Cache<KT> c{kc, vc, bt + b * M, block_size, KVH, D};
       for (int64_t r = 0; r < per * G; ++r) {
         const int64_t h = h0 * G + r;  // query head
         const auto [qp, op] = qr.at(r, q + b * qs0 + h * qs1, out + b * os0 + h * os1, D);
-        rows[r] = {qp, op, int64_t(seq_lens[b]) - 1, (h / G) * D};
+        rows[r] = {qp, op, int64_t(seq_lens[b]) - 1, c.head_off(h / G)};
       }
-      const Cache<KT> c{kc, vc, bt + b * M, block_size, KVH * D, D};
       attend_rows(rows.data(), per * G, c, scale, window, softcap, scratch, true);
       for (int64_t r = 0; r < per * G; ++r) qr.done(r, out + b * os0 + (h0 * G + r) * os1, D);
     }
@@ -300,13 +304,13 @@ void paged_prefill(const QT* q, int64_t qs0, int64_t qs1, const KT* kc, const KT
       const int64_t it = w / KVH, h = w % KVH, s = item_seq[it], t0 = item_t0[it];
       const int64_t nq = std::min<int64_t>(tile, cu[s + 1] - t0);
       const int64_t first = int64_t(seq_lens[s]) - (cu[s + 1] - cu[s]) + (t0 - cu[s]);  // position of row t0
+      const Cache<KT> c{kc, vc, bt + s * M, block_size, KVH, D};
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t t = t0 + i, qh = h * G + g;
           const auto [qp, op] = qr.at(i * G + g, q + t * qs0 + qh * qs1, out + t * os0 + qh * os1, D);
-          rows[i * G + g] = {qp, op, first + i, h * D};
+          rows[i * G + g] = {qp, op, first + i, c.head_off(h)};
         }
-      const Cache<KT> c{kc, vc, bt + s * M, block_size, KVH * D, D};
       attend_rows(rows.data(), nq * G, c, scale, window, softcap, scratch, false);
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) qr.done(i * G + g, out + (t0 + i) * os0 + (h * G + g) * os1, D);
@@ -316,12 +320,15 @@ void paged_prefill(const QT* q, int64_t qs0, int64_t qs1, const KT* kc, const KT
 
 template <class T>
 void store_kv(const T* k, int64_t ks, const T* v, int64_t vs, T* kc, T* vc, const int64_t* slots, int64_t n,
-              int64_t row) {
+              int64_t block_size, int64_t KVH, int64_t D) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t s = slots[t];
     if (s < 0) continue;
-    std::memcpy(kc + s * row, k + t * ks, row * sizeof(T));
-    std::memcpy(vc + s * row, v + t * vs, row * sizeof(T));
+    const int64_t at = (s / block_size) * KVH * block_size * D + (s % block_size) * D;  // kv head 0's row
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::memcpy(kc + at + h * block_size * D, k + t * ks + h * D, D * sizeof(T));
+      std::memcpy(vc + at + h * block_size * D, v + t * vs + h * D, D * sizeof(T));
+    }
   }
 }
 
@@ -329,7 +336,7 @@ void store_kv(const T* k, int64_t ks, const T* v, int64_t vs, T* kc, T* vc, cons
 
 extern "C" {
 
-// q [B, H, D] (strides qs0, qs1; D contiguous); caches [blocks, block_size, KVH, D] contiguous;
+// q [B, H, D] (strides qs0, qs1; D contiguous); caches [blocks, KVH, block_size, D] contiguous;
 // block_tables [B, M] int32 contiguous; seq_lens [B] int32; out like q (strides os0, os1).
 // Work items: a sequence with all its heads (each position's row of K/V read once, whole), or - with too few
 // sequences to keep the threads busy - a sequence's kv head with its query heads.
@@ -368,15 +375,16 @@ void loom_paged_prefill_bf16(const bf16_t* q, int64_t qs0, int64_t qs1, const bf
                 softcap, tile, nthreads);
 }
 
-// k/v rows of T tokens (row strides ks / vs, each KVH * D contiguous floats) into cache slots (-1: skip)
+// k/v rows of T tokens (row strides ks / vs, each KVH * D contiguous floats) into cache slots (-1: skip) of caches
+// [blocks, KVH, block_size, D]
 void loom_store_kv(const float* k, int64_t ks, const float* v, int64_t vs, float* kc, float* vc, const int64_t* slots,
-                   int64_t T, int64_t row) {
-  store_kv(k, ks, v, vs, kc, vc, slots, T, row);
+                   int64_t T, int64_t block_size, int64_t KVH, int64_t D) {
+  store_kv(k, ks, v, vs, kc, vc, slots, T, block_size, KVH, D);
 }
 
 void loom_store_kv_bf16(const bf16_t* k, int64_t ks, const bf16_t* v, int64_t vs, bf16_t* kc, bf16_t* vc,
-                        const int64_t* slots, int64_t T, int64_t row) {
-  store_kv(k, ks, v, vs, kc, vc, slots, T, row);
+                        const int64_t* slots, int64_t T, int64_t block_size, int64_t KVH, int64_t D) {
+  store_kv(k, ks, v, vs, kc, vc, slots, T, block_size, KVH, D);
 }
 
 }  // extern "C"

@@ -8,12 +8,16 @@
 //   h2, r2 = rms_norm(o + r) ; x_out = act_mul(h2 @ Wgate_up (+ LoRA)) @ Wdown (+ LoRA) ; [x_out = rms_norm(x_out)
 //   (Gemma)] ; res_out = r2 ; act: SiLU, or GELU's tanh approximation (Gemma). A MoE layer stops at h2 (its block
 //   runs in Python after the call).
+//
+// Float32 or bfloat16 activations, caches and weights (act): bfloat16 runs the kernels' bfloat16 variants (16-bit
+// storage, float32 math) and loom's bfloat16 GEMM (gemm_bf16.cpp), as the Python path does where the policy picked that
+// GEMM; without LoRA (its steps run the Python path).
 
 namespace {
 
 // One packed linear layer (kernels/cpu_linear.py) and, when adapters may target it, its LoRA pools.
 struct LoomLinear {
-  const float* panels;
+  const void* panels;     // float32 panels (gemm.cpp) or bfloat16 ones (gemm_bf16.cpp)
   int64_t N;
   const float* bias;      // nullable
   const void* lora_a;     // [S, R, K] or null: no pools
@@ -28,25 +32,27 @@ struct LoomLinear {
 
 struct LoomLayer {
   LoomLinear qkv, o, gate_up, down;
-  const float* norm_in;
-  const float* norm_post;
+  const void* norm_in;    // norm weights: act's type, or float32 with norm_f32
+  const void* norm_post;
   float eps;
   int64_t hidden, heads, kv_heads, head_dim, inter;
   const float* cos_sin;  // rope cache [positions, head_dim]
-  float* k_cache;
-  float* v_cache;        // [blocks, block_size, kv_heads, head_dim]
+  void* k_cache;
+  void* v_cache;         // [blocks, kv_heads, block_size, head_dim] of act's type
   int64_t block_size;
   float scale;
   int64_t window;
   float softcap;
-  const float* q_norm;   // per-head norms of q and k before rope, or null
-  const float* k_norm;
+  const void* q_norm;    // per-head norms of q and k before rope, or null
+  const void* k_norm;
   float qk_eps;
   int64_t rotary_dim;    // head_dim, or fewer (partial rotary)
-  const float* norm_post_attn;  // Gemma: the attention's and the MLP's outputs normalised (else null)
-  const float* norm_post_ff;
+  const void* norm_post_attn;  // Gemma: the attention's and the MLP's outputs normalised (else null)
+  const void* norm_post_ff;
   int64_t gelu;          // the MLP's activation: GELU-tanh (else SiLU)
   int64_t attn_only;     // no dense MLP (a MoE layer): x_out gets the MLP's input, the caller runs the block
+  int64_t act;           // activations, caches and panels: 0 float32, 1 bfloat16 (with_act's code)
+  int64_t norm_f32;      // bfloat16: the norm weights are float32 (Gemma's 1 + w)
 };
 
 // What every layer of one step shares: the batch, its attention metadata, its LoRA groups.
@@ -102,78 +108,130 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
                   const Ahead& fetch) {
   const Ahead* f = fetch.done() ? nullptr : &fetch;
   if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
-    gemm_lora(x, K, st.T, l.panels, l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal,
+    gemm_lora(x, K, st.T, static_cast<const float*>(l.panels), l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal,
               st.groups, st.fuse_min, mc, st.nthreads, f);
   else
-    gemm(x, K, st.T, K, l.panels, l.N, l.bias, y, l.N, mc, st.nthreads, nullptr, f);
+    gemm(x, K, st.T, K, static_cast<const float*>(l.panels), l.N, l.bias, y, l.N, mc, st.nthreads, nullptr, f);
 }
 
-}  // namespace
-
-extern "C" {
-
-// Floats of workspace loom_decoder_layer needs for T tokens.
-int64_t loom_decoder_layer_workspace(const LoomLayer* L, int64_t T) {
-  const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
-  return T * (4 * L->hidden + (q + 2 * kv) + 2 * q + 2 * kv + 3 * L->inter);
+// bfloat16: loom's bfloat16 GEMM (the layer takes no LoRA in bfloat16)
+void layer_linear(const LoomLinear& l, bool, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
+                  const Ahead&) {
+  loom_gemm_bf16(reinterpret_cast<const uint16_t*>(x), K, st.T, K, static_cast<const uint16_t*>(l.panels), l.N,
+                 l.bias, y, l.N, 0, st.nthreads);
 }
 
-// x, residual (null in the first layer) [T, hidden] -> x_out (the MLP's output), res_out [T, hidden]. next (nullable):
-// the layer that runs after this one, whose q|k|v adapter rows the last GEMM asks for (only read as addresses to ask
-// for: they need not be current, only still allocated).
-void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, const float* residual, float* ws,
-                        float* x_out, float* res_out, const LoomLayer* next) {
+// the kernels by activation type: float32 or bfloat16 (the bfloat16 norm takes float32 or bfloat16 weights)
+void norm_rows(const float* x, int64_t xs, const float* res, int64_t rs, const void* w, bool, float eps, float* out,
+               int64_t os, float* ro, int64_t ros, int64_t T, int64_t N, int nt) {
+  loom_rms_norm(x, xs, res, rs, static_cast<const float*>(w), eps, out, os, ro, ros, T, N, nt);
+}
+void norm_rows(const bf16_t* x, int64_t xs, const bf16_t* res, int64_t rs, const void* w, bool w_f32, float eps,
+               bf16_t* out, int64_t os, bf16_t* ro, int64_t ros, int64_t T, int64_t N, int nt) {
+  loom_rms_norm_bf16(x, xs, res, rs, w, w_f32, eps, out, os, ro, ros, T, N, nt);
+}
+void rope(const int64_t* pos, const float* cs, int64_t D, float* q, int64_t qs0, int64_t qs1, int64_t H, float* k,
+          int64_t ks0, int64_t ks1, int64_t KVH, int64_t T, int nt) {
+  loom_rotary(pos, cs, D, q, qs0, qs1, H, k, ks0, ks1, KVH, T, nt);
+}
+void rope(const int64_t* pos, const float* cs, int64_t D, bf16_t* q, int64_t qs0, int64_t qs1, int64_t H, bf16_t* k,
+          int64_t ks0, int64_t ks1, int64_t KVH, int64_t T, int nt) {
+  loom_rotary_bf16(pos, cs, D, q, qs0, qs1, H, k, ks0, ks1, KVH, T, nt);
+}
+void store(const float* k, int64_t ks, const float* v, int64_t vs, void* kc, void* vc, const int64_t* slots, int64_t T,
+           int64_t bs, int64_t KVH, int64_t D) {
+  loom_store_kv(k, ks, v, vs, static_cast<float*>(kc), static_cast<float*>(vc), slots, T, bs, KVH, D);
+}
+void store(const bf16_t* k, int64_t ks, const bf16_t* v, int64_t vs, void* kc, void* vc, const int64_t* slots,
+           int64_t T, int64_t bs, int64_t KVH, int64_t D) {
+  loom_store_kv_bf16(k, ks, v, vs, static_cast<bf16_t*>(kc), static_cast<bf16_t*>(vc), slots, T, bs, KVH, D);
+}
+void decode(const float* q, int64_t qs0, int64_t qs1, const void* kc, const void* vc, int64_t bs, int64_t KVH,
+            int64_t D, const int32_t* bt, int64_t M, const int32_t* sl, int64_t B, int64_t H, float* out, int64_t os0,
+            int64_t os1, float scale, int64_t window, float softcap, int nt) {
+  loom_paged_decode(q, qs0, qs1, static_cast<const float*>(kc), static_cast<const float*>(vc), bs, KVH, D, bt, M, sl, B,
+                    H, out, os0, os1, scale, window, softcap, nt);
+}
+void decode(const bf16_t* q, int64_t qs0, int64_t qs1, const void* kc, const void* vc, int64_t bs, int64_t KVH,
+            int64_t D, const int32_t* bt, int64_t M, const int32_t* sl, int64_t B, int64_t H, bf16_t* out,
+            int64_t os0, int64_t os1, float scale, int64_t window, float softcap, int nt) {
+  loom_paged_decode_bf16(q, qs0, qs1, static_cast<const bf16_t*>(kc), static_cast<const bf16_t*>(vc), bs, KVH, D, bt,
+                         M, sl, B, H, out, os0, os1, scale, window, softcap, nt);
+}
+void prefill(const float* q, int64_t qs0, int64_t qs1, const void* kc, const void* vc, int64_t bs, int64_t KVH,
+             int64_t D, const int32_t* cu, const int32_t* sl, int64_t S, const int32_t* bt, int64_t M, int64_t H,
+             float* out, int64_t os0, int64_t os1, float scale, int64_t window, float softcap, int64_t tile, int nt) {
+  loom_paged_prefill(q, qs0, qs1, static_cast<const float*>(kc), static_cast<const float*>(vc), bs, KVH, D, cu, sl, S,
+                     bt, M, H, out, os0, os1, scale, window, softcap, tile, nt);
+}
+void prefill(const bf16_t* q, int64_t qs0, int64_t qs1, const void* kc, const void* vc, int64_t bs, int64_t KVH,
+             int64_t D, const int32_t* cu, const int32_t* sl, int64_t S, const int32_t* bt, int64_t M, int64_t H,
+             bf16_t* out, int64_t os0, int64_t os1, float scale, int64_t window, float softcap, int64_t tile, int nt) {
+  loom_paged_prefill_bf16(q, qs0, qs1, static_cast<const bf16_t*>(kc), static_cast<const bf16_t*>(vc), bs, KVH, D, cu,
+                          sl, S, bt, M, H, out, os0, os1, scale, window, softcap, tile, nt);
+}
+void act_and_mul(bool gelu, const float* x, int64_t xs, float* out, int64_t T, int64_t I, int nt) {
+  (gelu ? loom_gelu_tanh_mul : loom_silu_mul)(x, xs, out, T, I, nt);
+}
+void act_and_mul(bool gelu, const bf16_t* x, int64_t xs, bf16_t* out, int64_t T, int64_t I, int nt) {
+  (gelu ? loom_gelu_tanh_mul_bf16 : loom_silu_mul_bf16)(x, xs, out, T, I, nt);
+}
+
+// loom_decoder_layer's work on activations of type A
+template <class A>
+void decoder_layer(const LoomLayer* L, const LoomStep* s, const A* x, const A* residual, A* ws, A* x_out, A* res_out,
+                   const LoomLayer* next) {
   const LoomStep& st = *s;
   const int64_t T = st.T, Hd = L->hidden, H = L->heads, KVH = L->kv_heads, D = L->head_dim, I = L->inter;
   const int64_t q_n = H * D, kv_n = KVH * D, qkv_n = q_n + 2 * kv_n;
-  float* h = ws;
-  float* r = h + T * Hd;
-  float* qkv = r + T * Hd;
-  float* q = qkv + T * qkv_n;
-  float* k = q + T * q_n;
-  float* v = k + T * kv_n;
-  float* att = v + T * kv_n;
-  float* o = att + T * q_n;
-  float* h2 = o + T * Hd;
-  float* gu = h2 + T * Hd;
-  float* act = gu + T * 2 * I;
+  A* h = ws;
+  A* r = h + T * Hd;
+  A* qkv = r + T * Hd;
+  A* q = qkv + T * qkv_n;
+  A* k = q + T * q_n;
+  A* v = k + T * kv_n;
+  A* att = v + T * kv_n;
+  A* o = att + T * q_n;
+  A* h2 = o + T * Hd;
+  A* gu = h2 + T * Hd;
+  A* act = gu + T * 2 * I;
   if (T == 0) return;
 
-  loom_rms_norm(x, Hd, residual, residual ? Hd : 0, L->norm_in, L->eps, h, Hd, r, Hd, T, Hd, st.nthreads);
+  norm_rows(x, Hd, residual, residual ? Hd : 0, L->norm_in, L->norm_f32, L->eps, h, Hd, r, Hd, T, Hd, st.nthreads);
   layer_linear(L->qkv, st.lora_mask & 1, st, h, Hd, st.mc_hidden, qkv,
                rows_to_fetch(L->o, st.lora_mask & 2, st, q_n));
   for (int64_t t = 0; t < T; ++t) {  // q, k, v out of the fused rows, each contiguous
-    const float* row = qkv + t * qkv_n;
-    std::memcpy(q + t * q_n, row, q_n * sizeof(float));
-    std::memcpy(k + t * kv_n, row + q_n, kv_n * sizeof(float));
-    std::memcpy(v + t * kv_n, row + q_n + kv_n, kv_n * sizeof(float));
+    const A* row = qkv + t * qkv_n;
+    std::memcpy(q + t * q_n, row, q_n * sizeof(A));
+    std::memcpy(k + t * kv_n, row + q_n, kv_n * sizeof(A));
+    std::memcpy(v + t * kv_n, row + q_n + kv_n, kv_n * sizeof(A));
   }
   if (L->q_norm) {  // in place, over rows of one head; att (written only by the attention below) takes res_out
-    loom_rms_norm(q, D, nullptr, 0, L->q_norm, L->qk_eps, q, D, att, D, T * H, D, st.nthreads);
-    loom_rms_norm(k, D, nullptr, 0, L->k_norm, L->qk_eps, k, D, att, D, T * KVH, D, st.nthreads);
+    norm_rows(q, D, nullptr, 0, L->q_norm, L->norm_f32, L->qk_eps, q, D, att, D, T * H, D, st.nthreads);
+    norm_rows(k, D, nullptr, 0, L->k_norm, L->norm_f32, L->qk_eps, k, D, att, D, T * KVH, D, st.nthreads);
   }
-  loom_rotary(st.positions, L->cos_sin, L->rotary_dim, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
-  loom_store_kv(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, kv_n);
+  rope(st.positions, L->cos_sin, L->rotary_dim, q, q_n, D, H, k, kv_n, D, KVH, T, st.nthreads);
+  store(k, kv_n, v, kv_n, L->k_cache, L->v_cache, st.slots, T, L->block_size, KVH, D);
   const int64_t d = st.num_decode;
   if (d)
-    loom_paged_decode(q, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.dec_bt, st.dec_bt_width, st.dec_sl,
-                      d, H, att, q_n, D, L->scale, L->window, L->softcap, st.nthreads);
+    decode(q, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.dec_bt, st.dec_bt_width, st.dec_sl, d, H, att,
+           q_n, D, L->scale, L->window, L->softcap, st.nthreads);
   if (st.num_prefill && d < T)
-    loom_paged_prefill(q + d * q_n, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.pre_cu, st.pre_sl,
-                       st.num_prefill, st.pre_bt, st.pre_bt_width, H, att + d * q_n, q_n, D, L->scale, L->window,
-                       L->softcap, st.prefill_tile, st.nthreads);
+    prefill(q + d * q_n, q_n, D, L->k_cache, L->v_cache, L->block_size, KVH, D, st.pre_cu, st.pre_sl,
+            st.num_prefill, st.pre_bt, st.pre_bt_width, H, att + d * q_n, q_n, D, L->scale, L->window,
+            L->softcap, st.prefill_tile, st.nthreads);
   layer_linear(L->o, st.lora_mask & 2, st, att, q_n, st.mc_q, o,
                L->attn_only ? Ahead{} : rows_to_fetch(L->gate_up, st.lora_mask & 4, st, Hd));
   if (L->norm_post_attn)  // in place; h2 (written next) takes res_out
-    loom_rms_norm(o, Hd, nullptr, 0, L->norm_post_attn, L->eps, o, Hd, h2, Hd, T, Hd, st.nthreads);
+    norm_rows(o, Hd, nullptr, 0, L->norm_post_attn, L->norm_f32, L->eps, o, Hd, h2, Hd, T, Hd, st.nthreads);
   if (L->attn_only) {
-    loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, x_out, Hd, res_out, Hd, T, Hd, st.nthreads);
+    norm_rows(o, Hd, r, Hd, L->norm_post, L->norm_f32, L->eps, x_out, Hd, res_out, Hd, T, Hd, st.nthreads);
     return;
   }
-  loom_rms_norm(o, Hd, r, Hd, L->norm_post, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
+  norm_rows(o, Hd, r, Hd, L->norm_post, L->norm_f32, L->eps, h2, Hd, res_out, Hd, T, Hd, st.nthreads);
   layer_linear(L->gate_up, st.lora_mask & 4, st, h2, Hd, st.mc_hidden, gu,
                rows_to_fetch(L->down, st.lora_mask & 8, st, I));
-  (L->gelu ? loom_gelu_tanh_mul : loom_silu_mul)(gu, 2 * I, act, T, I, st.nthreads);
+  act_and_mul(L->gelu, gu, 2 * I, act, T, I, st.nthreads);
   // the next layer's q|k|v rows: without them its first linear, the only one with no GEMM before it to ask for them,
   // read them from memory. Decode steps of the bench_lora setting on one adapter, the same build with and without,
   // rounds alternating in one process, median step, ms added by the adapter: one thread 5.57 -> 4.77 (8 rounds), two
@@ -181,10 +239,33 @@ void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const float* x, c
   const Ahead after = next ? rows_to_fetch(next->qkv, st.lora_mask & 1, st, next->hidden) : Ahead{};
   if (L->norm_post_ff) {  // the MLP's output into o (free by now), normalised into x_out; h takes res_out
     layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, o, after);
-    loom_rms_norm(o, Hd, nullptr, 0, L->norm_post_ff, L->eps, x_out, Hd, h, Hd, T, Hd, st.nthreads);
+    norm_rows(o, Hd, nullptr, 0, L->norm_post_ff, L->norm_f32, L->eps, x_out, Hd, h, Hd, T, Hd, st.nthreads);
   } else {
     layer_linear(L->down, st.lora_mask & 8, st, act, I, st.mc_inter, x_out, after);
   }
+}
+
+
+}  // namespace
+
+extern "C" {
+
+// Elements (float32 or bfloat16, act's type) of workspace loom_decoder_layer needs for T tokens.
+int64_t loom_decoder_layer_workspace(const LoomLayer* L, int64_t T) {
+  const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
+  return T * (4 * L->hidden + (q + 2 * kv) + 2 * q + 2 * kv + 3 * L->inter);
+}
+
+// x, residual (null in the first layer) [T, hidden] -> x_out (the MLP's output), res_out [T, hidden], all of act's type
+// (ws too). next (nullable): the layer that runs after this one, whose q|k|v adapter rows the last GEMM asks for (only
+// read as addresses to ask for: they need not be current, only still allocated).
+void loom_decoder_layer(const LoomLayer* L, const LoomStep* s, const void* x, const void* residual, void* ws,
+                        void* x_out, void* res_out, const LoomLayer* next) {
+  with_act(int(L->act), [&](auto tag) {
+    using A = decltype(tag);
+    decoder_layer(L, s, static_cast<const A*>(x), static_cast<const A*>(residual), static_cast<A*>(ws),
+                  static_cast<A*>(x_out), static_cast<A*>(res_out), next);
+  });
 }
 
 }  // extern "C"

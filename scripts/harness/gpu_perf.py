@@ -296,6 +296,7 @@ def attention_row(rec, opts, copy_gbps, B, ctx, H, KVH, D) -> None:
     import torch.nn.functional as F
 
     import harness.kernel_cases as kc
+    from loom.kernels.kv_layout import gather_blocks
     from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
 
     dev, smoke = opts.device, opts.smoke
@@ -307,8 +308,8 @@ def attention_row(rec, opts, copy_gbps, B, ctx, H, KVH, D) -> None:
         out = torch.empty_like(q)
         fn = paged_decode_attention_triton if dev == "cuda" or opts.plan else paged_decode_attention_ref
         paged_ms = bench_ms(lambda: fn(q, kcache, vcache, bt, sl, D ** -0.5, out=out), dev)
-        k = kcache[bt.long()].reshape(B, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()  # [B, KVH, ctx, D]
-        v = vcache[bt.long()].reshape(B, -1, KVH, D)[:, :ctx].transpose(1, 2).contiguous()
+        k = gather_blocks(kcache, bt.long())[:, :, :ctx].contiguous()  # [B, KVH, ctx, D]
+        v = gather_blocks(vcache, bt.long())[:, :, :ctx].contiguous()
         q4 = q.view(B, H, 1, D)
         sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=D ** -0.5, enable_gqa=H != KVH)  # noqa: E731
         err = kc.rel_err(out.float(), sdpa().view(B, H, D).float())

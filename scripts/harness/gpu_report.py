@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NOT_IMPLEMENTED = "not implemented"
+ONE_GPU = "1 GPU"  # a section that needs several GPUs, on a device with one (or none): skipped, not failed
 
 
 class Skip(Exception):
@@ -27,7 +28,8 @@ class Skip(Exception):
 def status_ok(status: str, optional: bool = False) -> bool:
     """A check's status that is not a failure; in an optional section (the 8B sweep) "skipped: time" is not one
     either."""
-    return status == "pass" or status.startswith((f"skipped: {NOT_IMPLEMENTED}", "skipped: n/a")) or \
+    return status == "pass" or status.startswith((f"skipped: {NOT_IMPLEMENTED}", "skipped: n/a", "skipped: 0 GPU",
+                                                  f"skipped: {ONE_GPU}")) or \
         (optional and status == "skipped: time")
 
 
@@ -141,11 +143,18 @@ class Recorder:
                                            "met": met, "note": note}))
         self.flush()
 
+    def skip_section(self, reason: str) -> None:
+        """The whole section does not apply here (e.g. "1 GPU"): its status becomes "skipped: <reason>"."""
+        self.rec["skipped"] = reason
+        self.say(f"skipped: {reason}")
+        self.flush()
+
     def finish(self, error: str | None = None) -> dict:
         if error:
             self.rec["error"] = error[:500]
         bad = [c for c in self.rec["checks"] if not status_ok(c["status"], self.opts.optional)]
-        self.rec["status"] = "fail" if (bad or error) else "pass"
+        self.rec["status"] = "fail" if (bad or error) else \
+            f"skipped: {self.rec['skipped']}" if self.rec.get("skipped") else "pass"
         self.flush()
         return self.rec
 

@@ -13,6 +13,7 @@ import math
 import torch
 
 from loom.kernels import activation, kv_store, lora, norm, rotary
+from loom.kernels.kv_layout import block_size_of, kv_cache_shape, kv_heads_of, read_slots, write_slots
 
 # the attention modules share their names with the dispatch functions exported by kernels/__init__
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
@@ -66,23 +67,22 @@ def make_paged_cache(seq_lens, block_size, kvh, d, dtype, device, spare_blocks=3
     ids = (torch.randperm(used) + (num_blocks - used)).tolist()  # the top `used` ids, shuffled
     width = max(nblk + [1]) + 1  # one padding column more than needed
     bt = torch.zeros((len(seq_lens), width), dtype=torch.int32)
-    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
+    kc = torch.full(kv_cache_shape(num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
-    kf, vf = kc.view(-1, kvh, d), vc.view(-1, kvh, d)
     for s, n in enumerate(seq_lens):
         blocks = torch.tensor([ids.pop() for _ in range(nblk[s])], dtype=torch.int64)
         bt[s, :len(blocks)] = blocks.to(torch.int32)
         pos = torch.arange(n)
         slots = (blocks[pos // block_size] * block_size + pos % block_size).to(device)
-        kf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
-        vf[slots] = torch.randn(n, kvh, d, device=device).to(dtype)
+        write_slots(kc, slots, torch.randn(n, kvh, d, device=device))
+        write_slots(vc, slots, torch.randn(n, kvh, d, device=device))
     return kc, vc, bt.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
 def compact_cache(kc, vc, bt, seq_lens):
     """The blocks the tables use, copied into a small cache with renumbered tables: references then run on a
     float32 copy of what matters instead of converting a cache of billions of elements."""
-    width = max(1, math.ceil(int(seq_lens.max()) / kc.shape[1])) if seq_lens.numel() else 1
+    width = max(1, math.ceil(int(seq_lens.max()) / block_size_of(kc))) if seq_lens.numel() else 1
     used = bt[:, :width].long()
     ids, inv = torch.unique(used, return_inverse=True)
     return kc[ids], vc[ids], inv.to(torch.int32).contiguous()
@@ -99,8 +99,8 @@ def check_store_kv(dtype, device, T=10, kvh=3, d=64, block_size=16, num_blocks=4
     slots = torch.randperm(num_blocks * block_size)[:T]
     slots[torch.randperm(T)[:3]] = -1
     slots = slots.to(device)
-    kc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
-    vc = rnd(num_blocks, block_size, kvh, d, dtype=dtype, device=device)
+    kc = rnd(*kv_cache_shape(num_blocks, block_size, kvh, d), dtype=dtype, device=device)
+    vc = rnd(*kv_cache_shape(num_blocks, block_size, kvh, d), dtype=dtype, device=device)
     kc2, vc2 = kc.clone(), vc.clone()
     kv_store.store_kv_triton(k, v, kc, vc, slots)
     kv_store.store_kv_ref(k, v, kc2, vc2, slots)
@@ -116,7 +116,7 @@ def hide_before_window(kc, bt, first_q_pos, window):
     used = set(bt.flatten().tolist())
     nan_block = next(b for b in range(kc.shape[0]) if b not in used and bool(torch.isnan(kc[b].float()).all()))
     bt = bt.clone()
-    bs = kc.shape[1]
+    bs = block_size_of(kc)
     for s, p in enumerate(first_q_pos):
         n_hidden = max(0, p - window + 1) // bs  # blocks whose every position is < p - window + 1
         bt[s, :n_hidden] = nan_block
@@ -150,6 +150,39 @@ def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=
     return assert_close(out.float(), ref, dtype, "paged_decode_attention")
 
 
+def check_decode_rope_store(dtype, device, seq_lens, heads, kvh, d, block_size, rot=None, num_splits=None,
+                            block_n=None, sliding_window=None, softcap=None):
+    """The decode kernel with this step's rope and K/V store inside (each sequence's last position is its new token,
+    slot -1 for an empty one) on strided q|k|v views: the caches exactly as rotary_store_kv's kernel leaves them, q, k
+    and v untouched, the output within tolerance of the reference in float32. The new tokens' slots start NaN: a
+    read before the store shows."""
+    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, dtype, device)
+    B = len(seq_lens)
+    qkv = rnd(B, (heads + 2 * kvh) * d, dtype=dtype, device=device, scale=3.0 if softcap else 1.0)
+    q, k, v = (qkv[:, a * d:b * d].view(B, -1, d) for a, b in ((0, heads), (heads, heads + kvh),
+                                                                 (heads + kvh, heads + 2 * kvh)))
+    pos = (sl.long() - 1).clamp_min(0)
+    blocks = bt.long()[torch.arange(B, device=device), pos // block_size]
+    slots = torch.where(sl > 0, blocks * block_size + pos % block_size, -1)
+    new = slots[slots >= 0]
+    write_slots(kc, new, torch.full((new.shape[0], kvh, d), float("nan"), device=device))
+    write_slots(vc, new, torch.full((new.shape[0], kvh, d), float("nan"), device=device))
+    cs = cos_sin_cache(max(seq_lens) + 1, rot or d, device)
+    scale = d ** -0.5
+    opts = dict(sliding_window=sliding_window, softcap=softcap, num_splits=num_splits, block_n=block_n)
+    qkv0, kc2, vc2, kcf, vcf = qkv.clone(), kc.clone(), vc.clone(), kc.float(), vc.float()
+    out = poison(B, heads, d, dtype=dtype, device=device)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, rope_store=(pos, k, v, cs, slots), **opts)
+    assert torch.equal(qkv, qkv0), "the fused kernel wrote into q, k or v"
+    q2, k2, v2 = (qkv0.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (q, k, v))  # the same views
+    rotary.rotary_store_kv_triton(pos, q2, k2, v2, cs, kc2, vc2, slots)
+    assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)), "k cache differs from rotary_store_kv's"
+    assert torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0)), "v cache differs from rotary_store_kv's"
+    ref = paged_decode_attention_ref(q.float(), kcf, vcf, bt, sl, scale, sliding_window=sliding_window,
+                                     softcap=softcap, rope_store=(pos, k.float(), v.float(), cs, slots))
+    return assert_close(out.float(), ref, dtype, "paged_decode_attention rope_store")
+
+
 def prefill_inputs(q_and_seq_lens, heads, kvh, d, block_size, dtype, device, top_of=0):
     q_lens = [a for a, _ in q_and_seq_lens]
     kc, vc, bt, sl = make_paged_cache([b for _, b in q_and_seq_lens], block_size, kvh, d, dtype, device,
@@ -180,7 +213,7 @@ def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1
     """store_kv into the highest slots of a cache of at least top_of elements: every token lands in its slot and
     nothing else is written (the cache starts NaN, so a stray write shows up in the count of finite elements)."""
     num_blocks = max(T // block_size + 2, math.ceil(top_of / (block_size * kvh * d)))
-    kc = torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
+    kc = torch.full(kv_cache_shape(num_blocks, block_size, kvh, d), float("nan"), dtype=dtype, device=device)
     vc = torch.full_like(kc, float("nan"))
     slots = num_blocks * block_size - 1 - torch.randperm(2 * block_size)[:T]  # shuffled, in the top two blocks
     slots[torch.randperm(T)[:2]] = -1
@@ -189,8 +222,7 @@ def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1
     kv_store.store_kv_triton(k, v, kc, vc, slots)
     keep = slots >= 0
     for cache, src, what in ((kc, k, "k"), (vc, v, "v")):
-        flat = cache.view(-1, kvh, d)
-        assert torch.equal(flat[slots[keep]], src[keep]), f"store_kv {what}: wrong values in the top slots"
+        assert torch.equal(read_slots(cache, slots[keep]), src[keep]), f"store_kv {what}: wrong values in the top slots"
         written = int(torch.isfinite(cache).sum())
         assert written == int(keep.sum()) * kvh * d, f"store_kv {what}: {written} elements written, " \
             f"{int(keep.sum()) * kvh * d} expected"
@@ -236,7 +268,7 @@ def check_rotary_store_kv(dtype, device, T=9, heads=9, kvh=3, d=64, rot=None, bl
     pos = torch.randint(0, max_pos, (T,), dtype=torch.int64).to(device)
     slots = torch.randperm(3 * block_size)[:T].to(device)
     slots[T // 2] = -1
-    kc, vc = (torch.zeros(3, block_size, kvh, d, dtype=dtype, device=device) for _ in range(2))
+    kc, vc = (torch.zeros(kv_cache_shape(3, block_size, kvh, d), dtype=dtype, device=device) for _ in range(2))
     cs = cos_sin_cache(max_pos, rot or d, device)
     qr, kr, vr = q.float().clone(), k.float().clone(), v.float().clone()
     kcr, vcr = kc.float(), vc.float()
@@ -345,6 +377,30 @@ def check_lora_expand(dtype, device, num_tokens=40, ranks=(1, 8, 16, 64), out_si
     return assert_close((y.float() - y0.float()), y_ref - y0.float(), dtype, "lora_expand delta")
 
 
+def check_lora_fused(dtype, device, num_tokens=12, ranks=(1, 8, 16, 64), k_in=128, out_sizes=(64, 32, 32),
+                     pool16=False, exact=False):
+    """lora_apply_triton's fused shrink + expand (few tokens per adapter): tokens without adapter untouched, within
+    tolerance of the reference in float32; exact: also bit-equal to shrink then expand without split K (their
+    variants are compiled for it: tests/kernels, not gpu_check's grid)."""
+    meta, R, owner = make_lora_meta(num_tokens, list(ranks), device)
+    assert meta.max_seg_len <= lora.FUSED_MAX_TOKENS
+    offs = [0] + torch.tensor(out_sizes).cumsum(0).tolist()
+    x = rnd(num_tokens, k_in, dtype=dtype, device=device)
+    a = rnd(len(out_sizes), R, k_in, dtype=_pool_dtype(dtype, pool16), device=device, scale=k_in ** -0.5)
+    b = rnd(R, offs[-1], dtype=_pool_dtype(dtype, pool16), device=device, scale=0.3)
+    y0 = rnd(num_tokens, offs[-1], dtype=dtype, device=device, scale=0.1)
+    y = y0.clone()
+    lora.lora_apply_triton(x, y, a, b, offs, meta)
+    if exact:
+        y2 = lora.lora_expand_triton(lora.lora_shrink_triton(x, a, meta, split_k=1), b, offs, meta, y0.clone())
+        assert torch.equal(y, y2), "the fused kernel differs from shrink then expand"
+    no_adapter = (owner == -1).to(device)
+    assert torch.equal(y[no_adapter], y0[no_adapter]), "the fused kernel touched a token without adapter"
+    ref = lora.lora_shrink_ref(x.float(), a.float(), meta)
+    y_ref = lora.lora_expand_ref(ref.to(dtype).float(), b.float(), offs, meta, y0.float().clone())
+    return assert_close(y.float(), y_ref, dtype, "lora fused y")
+
+
 # name -> (check, list of cases); the pytest files parametrize over these, gpu_check runs them all
 CASES = {
     "store_kv": (check_store_kv, [dict(), dict(kvh=1, d=128, block_size=32)]),
@@ -368,6 +424,13 @@ CASES = {
         dict(seq_lens=[600, 5, 0, 300], heads=4, kvh=2, d=64, block_size=16, table_width=128),
         dict(seq_lens=[3, 40], heads=4, kvh=2, d=8, block_size=16, num_splits=1),  # head_dim < 16 (tl.dot K)
         dict(seq_lens=[3, 90], heads=4, kvh=1, d=8, block_size=16, num_splits=3, block_n=16),
+    ]),
+    "decode_rope_store": (check_decode_rope_store, [  # the heads of the rotary_store_kv cases (the same variants)
+        # a tile per 2 blocks, an empty sequence, softcap
+        dict(seq_lens=[0, 3, 16, 50], heads=9, kvh=3, d=64, block_size=16, num_splits=1, softcap=5.0),
+        # a tile in a block, split (the last partition stores), partial rotary, head dim padded, window
+        dict(seq_lens=[5, 40, 77], heads=8, kvh=2, d=96, rot=48, block_size=16, num_splits=3, block_n=16,
+             sliding_window=20),
     ]),
     "prefill": (check_prefill, [
         # (q_len, seq_len): decode-like, full prompt of < 1 block, chunk starting mid-block, long prompt
@@ -397,6 +460,7 @@ CASES = {
                                         dict(pool16=True)]),
     "lora_expand": (check_lora_expand, [dict(), dict(out_sizes=(96, 96)), dict(ranks=(100, 3), out_sizes=(40,)),
                                         dict(pool16=True)]),
+    "lora_fused": (check_lora_fused, [dict(pool16=True), dict(num_tokens=3, ranks=(100, 3), out_sizes=(40,))]),
 }
 
 
@@ -404,7 +468,7 @@ def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=Non
     """The float64 oracle of paged attention, per (token, head): the keys at positions max(0, pos - window + 1)
     .. pos, scores capped as c*tanh(s/c)."""
     q, kc, vc = q.double(), kc.double(), vc.double()
-    bs, kvh = kc.shape[1], kc.shape[2]
+    bs, kvh = block_size_of(kc), kv_heads_of(kc)
     group = q.shape[1] // kvh
     out = torch.zeros_like(q)
     for s in range(len(seq_lens)):
@@ -413,8 +477,8 @@ def naive_attention(q, kc, vc, cu, seq_lens, bt, scale, window=None, softcap=Non
             t, pos = int(cu[s]) + i, n - q_len + i
             first = 0 if window is None else max(0, pos - window + 1)
             for h in range(q.shape[1]):
-                keys = torch.stack([kc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
-                vals = torch.stack([vc[bt[s, p // bs], p % bs, h // group] for p in range(first, pos + 1)])
+                keys = torch.stack([kc[bt[s, p // bs], h // group, p % bs] for p in range(first, pos + 1)])
+                vals = torch.stack([vc[bt[s, p // bs], h // group, p % bs] for p in range(first, pos + 1)])
                 scores = keys @ q[t, h] * scale
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)

@@ -28,8 +28,40 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def quantized_linears(state: dict) -> list[str]:
-    """The linear weights a quantizer converts: every 2-D projection weight but lm_head and the embeddings."""
-    return sorted(n for n, t in state.items() if t.dim() == 2 and n.endswith("proj.weight"))
+    """The linear weights a quantizer converts: every 2-D projection weight (MoE experts' too: Mixtral's w1 / w2 / w3)
+    but lm_head, the embeddings and the MoE routers."""
+    return sorted(n for n, t in state.items() if t.dim() == 2 and n.endswith(("proj.weight", ".w1.weight",
+                                                                               ".w2.weight", ".w3.weight")))
+
+
+def checkpoint_state(model) -> dict:
+    """The float model's tensors under the names its checkpoint gives them (transformers 5 saves MoE experts one
+    tensor per expert and projection, as the hub's checkpoints hold them, though the model stacks them)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        return {k: v.clone() for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
+
+
+def _linear_tree(state: dict, names: list[str]) -> torch.nn.Module:
+    """nn.Linear modules holding state's weights `names`, at their checkpoint paths (what llm-compressor quantizes:
+    for MoE models the per-expert linears its calibration modules expose)."""
+    root = torch.nn.Module()
+    for n in names:
+        *path, leaf = n[: -len(".weight")].split(".")
+        parent = root
+        for p in path:
+            if not hasattr(parent, p):
+                parent.add_module(p, torch.nn.Module())
+            parent = getattr(parent, p)
+        w = state[n]
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        linear.weight.data = w.clone()
+        parent.add_module(leaf, linear)
+    return root
 
 
 def _save(model, path: str, state: dict, quant_config: dict) -> str:
@@ -89,6 +121,26 @@ def _quantize_and_compress(model, qs, fmt: str | None = None):
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     return compressor
+
+
+def make_ct_moe_checkpoint(arch: str, root, scheme, name: str, fmt: str | None = None, **overrides):
+    """make_ct_checkpoint for a MoE family: every projection, experts included (one linear per expert and projection,
+    as the checkpoint names them), quantized and compressed by compressed-tensors; the routers, lm_head and the
+    embeddings left in float -> (float model, path)."""
+    from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
+
+    model = _float_model(arch, overrides)
+    state = checkpoint_state(model)
+    names = quantized_linears(state)
+    tree = _linear_tree(state, names)
+    qs = preset_name_to_scheme(scheme, ["Linear"]) if isinstance(scheme, str) else \
+        QuantizationScheme(targets=["Linear"], **scheme)
+    compressor = _quantize_and_compress(tree, qs, fmt)
+    out = {k: v for k, v in state.items() if k not in set(names)}
+    out.update(tree.state_dict())
+    path = _save(model, os.path.join(str(root), name), out, {})
+    compressor.update_config(path)
+    return model, path
 
 
 def make_ct_checkpoint(arch: str, root, scheme, name: str, fmt: str | None = None, **overrides):
@@ -182,7 +234,7 @@ def make_packed_checkpoint(arch: str, root, method: str, name: str, pack_kw: dic
     """A tiny model whose projections are GPTQ / AWQ / fine-grained FP8 packed -> (float model, path)."""
     model = _float_model(arch, overrides)
     pack_kw = dict(pack_kw or {})
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = checkpoint_state(model)
     for i, n in enumerate(quantized_linears(state)):
         module = n[: -len(".weight")]
         w = state.pop(n)

@@ -26,9 +26,12 @@ job.json keys (defaults in brackets):
   enable_lora [false], max_lora_rank [16], max_loras [number of adapters, +1 spare when some prompts have
                 no adapter: see the comment in main()], adapters {name: path},
   loras         [null or adapter name per prompt]; warmup_loras [false] also loads them in the warm-up
-  runs          [one run with `loras`] several timed batches of the same prompts in one engine:
-                [{"name", "loras", "repeats" [1]}], the best of the repeats kept; warmup "all" first runs every
-                run's batch with 2 tokens (adapters loaded, shapes seen)
+  runs          [one run with `loras`] several timed batches in one engine: [{"name", "loras", "repeats" [1],
+                "prompts" [the job's], "max_tokens" [the job's], "sequential" [false: all at t0; true: one
+                request after another]}], the best of the repeats kept; warmup "all" first runs every run's batch
+                with 2 tokens (adapters loaded, shapes seen)
+  speculative_config [null] vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+                "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 result.json: startup_s (engine construction incl. torch.compile), wall_s (t0 to the last final output),
 cpu (harness.cpu_meter over the timed part: own = this process tree, other = the rest of the machine),
@@ -88,13 +91,17 @@ def _lora_request(name, ids, adapters):
     return LoRARequest(name, ids[name], adapters[name]) if name else None
 
 
-async def timed_batch(engine, label, prompts, max_tokens, lora_reqs):
-    """All prompts at t0; the prefix cache is reset first so nothing of an earlier batch is a cache hit."""
+async def timed_batch(engine, label, prompts, max_tokens, lora_reqs, sequential=False):
+    """All prompts at t0 (or one after another: latencies from each request's own start); the prefix cache is reset
+    first so nothing of an earlier batch is a cache hit."""
     await engine.reset_prefix_cache()
+    items = list(enumerate(zip(prompts, max_tokens, lora_reqs)))
     with CpuMeter() as meter:  # this process and vLLM's engine-core process, and the rest of the machine
         t0 = time.perf_counter()
-        reqs = await asyncio.gather(*(run_one(engine, f"{label}-{i}", p, m, lr, t0)
-                                      for i, (p, m, lr) in enumerate(zip(prompts, max_tokens, lora_reqs))))
+        if sequential:
+            reqs = [await run_one(engine, f"{label}-{i}", p, m, lr, time.perf_counter()) for i, (p, m, lr) in items]
+        else:
+            reqs = await asyncio.gather(*(run_one(engine, f"{label}-{i}", p, m, lr, t0) for i, (p, m, lr) in items))
         wall_s = time.perf_counter() - t0
     return {"wall_s": wall_s, "cpu": meter.result, "requests": reqs,
             "tokens_per_s": sum(len(r["token_ids"]) for r in reqs) / wall_s}
@@ -108,17 +115,19 @@ async def main(job):
     prompts = job["prompts"]
     n = len(prompts)
     mt = job["max_tokens"]
-    max_tokens = [int(mt)] * n if isinstance(mt, int) else [int(m) for m in mt]
     # One int id per adapter name; vLLM caches loaded adapters by that id.
     adapters = job.get("adapters") or {}
     ids = {name: i + 1 for i, name in enumerate(sorted(adapters))}
     runs = job.get("runs") or [{"name": "run", "loras": job.get("loras")}]
     for run in runs:
-        run["lora_reqs"] = [_lora_request(name, ids, adapters) for name in (run.get("loras") or [None] * n)]
+        run_n = len(run.get("prompts") or prompts)
+        run["lora_reqs"] = [_lora_request(name, ids, adapters) for name in (run.get("loras") or [None] * run_n)]
+        rmt = run.get("max_tokens", mt)
+        run["max_tokens_list"] = [int(rmt)] * run_n if isinstance(rmt, int) else [int(m) for m in rmt]
 
     kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), seed=job.get("seed", 0),
               disable_log_stats=True)
-    for key in ("block_size", "max_model_len"):
+    for key in ("block_size", "max_model_len", "speculative_config"):
         if job.get(key):
             kw[key] = job[key]
     if job.get("enable_lora"):
@@ -142,7 +151,8 @@ async def main(job):
         if warmup == "all":
             # every run's prompts with its adapters, 2 tokens each: adapters loaded, shapes seen (as loom's)
             for run in runs:
-                await timed_batch(engine, f"warmup-{run['name']}", prompts, [2] * n, run["lora_reqs"])
+                rp = run.get("prompts") or prompts
+                await timed_batch(engine, f"warmup-{run['name']}", rp, [2] * len(rp), run["lora_reqs"])
         elif warmup:
             # Warm lazy paths (first prefill/decode, sampler); base model only unless asked, so the
             # timed run still pays adapter loads the way a fresh server would.
@@ -152,7 +162,8 @@ async def main(job):
                                            time.perf_counter()) for i in range(min(2, n))))
         for run in runs:  # the best of `repeats` timed batches
             for rep in range(int(run.get("repeats", 1))):
-                r = await timed_batch(engine, f"{run['name']}-{rep}", prompts, max_tokens, run["lora_reqs"])
+                r = await timed_batch(engine, f"{run['name']}-{rep}", run.get("prompts") or prompts,
+                                      run["max_tokens_list"], run["lora_reqs"], bool(run.get("sequential")))
                 if run["name"] not in results or r["tokens_per_s"] > results[run["name"]]["tokens_per_s"]:
                     results[run["name"]] = r
     finally:

@@ -1,5 +1,5 @@
 """A bfloat16 engine on CPU (kernels/policy.py's bfloat16 row: the C++ norms, rotary, activations, KV store and paged
-attention on bfloat16 storage, oneDNN's prepacked bfloat16 GEMM) against transformers in bfloat16, and `dtype: auto`
+attention on bfloat16 storage, loom's or oneDNN's bfloat16 GEMM) against transformers in bfloat16, and `dtype: auto`
 on CPU (EngineConfig.resolve_dtype).
 
 Two bfloat16 implementations round at different places, so their logits differ by about what bfloat16 rounding does
@@ -15,7 +15,7 @@ from loom.engine.config import EngineConfig
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
 from loom.kernels import cpu_ext, policy
-from loom.kernels.cpu_linear import PrepackedBf16, onednn_bf16
+from loom.kernels.cpu_linear import PackedBf16, PrepackedBf16
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of", "import numpy as np\n",
@@ -66,8 +66,10 @@ def test_bf16_engine_takes_the_bf16_path(bf16_run):
     line = runner.kernels.describe(runner.dtype)
     assert "bfloat16" in line
     dense = [m.dense for m in runner.model.modules() if hasattr(m, "dense") and hasattr(m, "lora_a")]
-    if onednn_bf16():
-        assert dense and all(isinstance(d, PrepackedBf16) for d in dense)
+    packed = {policy.GEMM_LOOM_BF16: PackedBf16, policy.GEMM_ONEDNN: PrepackedBf16}.get(runner.kernels.gemm)
+    if packed is not None:  # loom's VDPBF16PS GEMM where the CPU has avx512_bf16 (no AMX), else oneDNN's
+        assert dense and all(isinstance(d, packed) for d in dense)
+        assert isinstance(runner.model.lm_head.forward, packed)
     else:
         assert all(d is None for d in dense)  # F.linear where oneDNN does not take bfloat16 on this CPU
 

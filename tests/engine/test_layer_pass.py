@@ -10,6 +10,7 @@ import torch
 from harness.hf_models import MOE_FAMILIES, make_hf_model, make_peft_adapter, random_prompts
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
+from loom.kernels import policy
 from loom.models import layer_pass as lp_mod
 from loom.models.layer_pass import LayerPass
 
@@ -60,9 +61,9 @@ def _record(llm: LLM, on: bool) -> tuple[list, list[torch.Tensor]]:
     return toks, seen
 
 
-def _llm(path: str, adapters: str, threads: int) -> LLM:
+def _llm(path: str, adapters: str, threads: int, dtype: str = "auto") -> LLM:
     return LLM(path, adapter_roots=[adapters], max_lora_rank=8, lora_memory_bytes=1 << 20, block_size=16,
-               max_num_batched_tokens=32, kv_cache_memory_bytes=2 << 20, cpu_threads=threads)
+               max_num_batched_tokens=32, kv_cache_memory_bytes=2 << 20, cpu_threads=threads, dtype=dtype)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -75,6 +76,41 @@ def test_layer_pass_gives_the_python_layers_bits(family, threads, monkeypatch):
     assert not calls
     toks, hidden = _record(_llm(path, adapters, threads), on=True)
     assert bool(calls) == TAKEN[name]
+    assert toks == toks_py
+    assert len(hidden) == len(hidden_py) > 20
+    assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_py))
+
+
+# bfloat16 over loom's bfloat16 GEMM: a family of each kind of layer the C++ layer takes (plain; q/k norms; Gemma's
+# float32 norm weights, GELU and soft-capping; MoE up to the block)
+BF16_FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=BF16_FAMILIES)
+def bf16_family(request, tmp_path_factory):
+    if not policy.decide("cpu", torch.bfloat16).layer_pass:
+        pytest.skip("the bfloat16 layer pass runs over loom's bfloat16 GEMM, which needs avx512_bf16 (no AMX) and "
+                    f"the C++ kernels: this host's bfloat16 path is {policy.decide('cpu', torch.bfloat16)}")
+    root = tmp_path_factory.mktemp(f"layerpass-bf16-{request.param}")
+    _, path = make_hf_model(request.param, root, bias_std=0.5)
+    every = ATTN + ([] if request.param in MOE_FAMILIES else MLP)
+    make_peft_adapter(path, str(root / "adapters" / "all"), seed=1, r=8, target_modules=every)
+    make_peft_adapter(path, str(root / "adapters" / "qv"), seed=2, r=4, target_modules=["q_proj", "v_proj"])
+    return request.param, path, str(root / "adapters")
+
+
+def test_bf16_layer_pass_gives_the_python_layers_bits(bf16_family, monkeypatch):
+    """In bfloat16 the one-call layer runs the kernels the Python layers call (loom's bfloat16 GEMM, the bfloat16
+    norms, rope, KV store, attention, activation) in the same order: the same bits; steps with LoRA run the Python
+    layers in both."""
+    name, path, adapters = bf16_family
+    calls = []
+    run = lp_mod.decoder_layer
+    monkeypatch.setattr(lp_mod, "decoder_layer", lambda *a: (calls.append(1), run(*a))[1])
+    toks_py, hidden_py = _record(_llm(path, adapters, 2, "bfloat16"), on=False)
+    assert not calls
+    toks, hidden = _record(_llm(path, adapters, 2, "bfloat16"), on=True)
+    assert calls and hidden[0].dtype == torch.bfloat16
     assert toks == toks_py
     assert len(hidden) == len(hidden_py) > 20
     assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_py))

@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_flatten
 from harness.hf_models import make_hf_model
 from loom.engine.config import EngineConfig
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.worker import memory_profile
+from loom.engine.worker import memory_plan
 from loom.engine.worker.compiled_forward import logits_of
 from loom.engine.worker.cuda_graphs import DecodeGraphs
-from loom.engine.worker.memory_profile import MARGIN, kv_cache_budget
+from loom.engine.worker.memory_plan import MARGIN
+from loom.engine.worker.memory_profile import kv_cache_budget
 from loom.engine.worker.warmup import fake_batch
 from loom.layers.forward_context import forward_context
 
@@ -230,7 +231,7 @@ def test_capture_and_serving_stay_within_gpu_memory_utilization(tmp_path, monkey
     runner = LLMEngine(cfg, load_tokenizer=False).runner  # LoRA pools attached: graphs with and without LoRA
     mem = FakeCudaMemory(total=64 * MIB, baseline=4 * MIB)
     mem.install(monkeypatch)
-    monkeypatch.setattr(memory_profile, "MARGIN", 0)  # the fake allocator neither fragments nor grows the context
+    monkeypatch.setattr(memory_plan, "MARGIN", 0)  # the fake allocator neither fragments nor grows the context
     limit = cfg.gpu_memory_utilization * mem.total
     with torch.inference_mode(), mem.tracking():
         budget = kv_cache_budget(runner)

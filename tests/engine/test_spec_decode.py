@@ -21,7 +21,8 @@ from loom.engine.spec_decode.config import SpeculativeConfig
 from loom.engine.spec_decode.ngram import propose_ngram
 from loom.errors import ConfigError
 
-SPEC = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, disable_by_batch_size=0)
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+SPEC = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, backoff="off")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -54,9 +55,10 @@ def test_ngram_proposes_what_followed_the_latest_match():
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_max"),
     ({"prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
     ({"method": "eagle"}, "speculative_config.method"),
-    ({"method": "draft_model", "model": "/m"}, "speculative_config.method"),
+    ({"method": "draft_model"}, "speculative_config.model"),
     ({"model": "/m"}, "speculative_config.model"),
     ({"disable_by_batch_size": -1}, "speculative_config.disable_by_batch_size"),
+    ({"backoff": "auto"}, "speculative_config.backoff"),
     ({"num_spec_tokens": 3}, "speculative_config.num_spec_tokens"),
     ("[1]", "speculative_config"),
     ("{not json", "speculative_config"),
@@ -166,7 +168,7 @@ def test_greedy_identical_on_the_default_model_with_stop_strings(default_model_d
               SamplingParams(max_tokens=48, temperature=0.0, stop=["prefix cache"])]
     kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=1024)
     want = LLM(default_model_dir, **kw).generate(prompts, params)
-    spec = LLM(default_model_dir, speculative_config={"num_speculative_tokens": 4}, **kw)
+    spec = LLM(default_model_dir, speculative_config={"num_speculative_tokens": 4, "backoff": "off"}, **kw)
     got = spec.generate(prompts, params)
     assert [g.text for g in got] == [w.text for w in want]
     assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
@@ -175,6 +177,42 @@ def test_greedy_identical_on_the_default_model_with_stop_strings(default_model_d
         assert g.token_ids[:len(w.token_ids)] == w.token_ids
     st = spec_stats(spec)
     assert st.num_accepted_tokens > 0
+    assert_no_leak(spec.engine)
+
+
+# ---- the back-off -----------------------------------------------------------------------------------------
+def test_backoff_follows_the_measured_rates_and_probes_the_other_choice():
+    from loom.engine.spec_decode.backoff import MIN_SAMPLES, PROBE_EVERY, BackOff, bucket
+
+    assert [bucket(d) for d in (1, 2, 3, 4, 7, 8, 32)] == [1, 2, 2, 3, 3, 4, 6]
+    b = BackOff()
+    for _ in range(MIN_SAMPLES):  # nothing measured: speculate, then plain, in turn until each has its samples
+        assert b.choose(32) is True
+        b.observe(32, True, 40, 1.0)
+        assert b.choose(32) is False
+        b.observe(32, False, 32, 0.5)  # plain: 64 tokens/s beats speculation's 40
+    picks = [b.choose(32) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 2 and not any(picks[:PROBE_EVERY - 2 * MIN_SAMPLES - 1])  # a probe every PROBE_EVERY
+    for _ in range(MIN_SAMPLES):  # buckets are separate
+        assert b.choose(1) is True
+        b.observe(1, True, 4, 0.1)
+        assert b.choose(1) is False
+        b.observe(1, False, 1, 0.05)
+    assert b.choose(1) is True  # 40 tokens/s against 20
+    for _ in range(12):  # acceptance falls: speculative steps of batch 1 now generate one token a step, slower
+        b.observe(1, True, 1, 0.06)
+    assert b.choose(1) is False
+
+
+def test_measured_backoff_keeps_greedy_tokens(tmp_path):
+    """Whatever the back-off decides step by step, the tokens are the plain engine's."""
+    _, path = make_hf_model("llama", tmp_path)
+    prompts = repetitive_prompts(hf_config("llama").vocab_size, seed=3)
+    params = [SamplingParams(max_tokens=24, **GREEDY)] * len(prompts)
+    kw = dict(block_size=8, kv_cache_memory_bytes=4 << 20)
+    spec = LLM(path, speculative_config=dict(SPEC, backoff="measured"), **kw)
+    assert run(spec, prompts, params) == run(LLM(path, **kw), prompts, params)
+    assert spec.engine.spec.backoff.rates and spec_stats(spec).num_drafts > 0
     assert_no_leak(spec.engine)
 
 

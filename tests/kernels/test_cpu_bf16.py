@@ -24,6 +24,7 @@ from loom.kernels.cpu_pointwise import (
     rotary_embedding_cpu,
     silu_and_mul_cpu,
 )
+from loom.kernels.kv_layout import kv_cache_shape, read_slots
 
 U16, U32 = 2.0 ** -8, 2.0 ** -24
 BF16 = torch.bfloat16
@@ -113,14 +114,14 @@ def test_store_kv_exact():
     T, KVH, D, bs = 10, 3, 64, 16
     qkv = torch.randn(T, 5 * KVH * D).to(BF16)
     k, v = qkv[:, :KVH * D].view(T, KVH, D), qkv[:, KVH * D:2 * KVH * D].view(T, KVH, D)
-    kc, vc = (torch.zeros(4, bs, KVH, D, dtype=BF16) for _ in range(2))
+    kc, vc = (torch.zeros(kv_cache_shape(4, bs, KVH, D), dtype=BF16) for _ in range(2))
     slots = torch.randperm(4 * bs)[:T]
     slots[3] = -1
     store_kv_cpu(k, v, kc, vc, slots)
     keep = slots >= 0
-    assert torch.equal(kc.view(-1, KVH, D)[slots[keep]], k[keep])
-    assert torch.equal(vc.view(-1, KVH, D)[slots[keep]], v[keep])
-    assert int((kc != 0).any(-1).any(-1).sum()) == int(keep.sum())
+    assert torch.equal(read_slots(kc, slots[keep]), k[keep])
+    assert torch.equal(read_slots(vc, slots[keep]), v[keep])
+    assert int((kc != 0).any(-1).sum()) == int(keep.sum()) * KVH
 
 
 def attention_bound(q, kc, vc, exact, scale, lens, softcap):
@@ -183,7 +184,8 @@ def test_decode_equals_prefill_bitwise():
 def test_policy_takes_bf16_on_cpu():
     """bfloat16 is a dtype of the C++ path (policy's dtype dimension); float16 stays on the references."""
     path = policy.decide("cpu", BF16)
-    assert path.ops == policy.CPU and not path.layer_pass and not path.packed_experts
+    assert path.ops == policy.CPU and not path.packed_experts
+    assert path.layer_pass == (path.gemm == policy.GEMM_LOOM_BF16)  # the one-call layer needs loom's GEMM
     assert policy.decide("cpu", torch.float16).ops == policy.REFERENCE
     assert policy.decide("cpu", BF16, compiled=True).gemm == ""  # a compiled forward: inductor's own GEMMs
     assert "bfloat16" in path.describe(BF16)
@@ -205,3 +207,30 @@ def test_bounds_are_not_vacuous():
     bound = attention_bound(q, kc, vc, exact, 0.125, lens, None)
     worst = float(bound.max())
     assert math.isfinite(worst) and worst < 0.01 * float(vc.double().nan_to_num().abs().amax())
+
+
+@pytest.mark.parametrize("num_tokens,ranks", [(30, [1, 8, 16, 4]), (6, [16] * 6)])
+def test_lora_bf16(num_tokens, ranks):
+    """Multi-LoRA on bfloat16 rows (kernels/cpu_lora.py lora_apply_cpu_bf16, which kernels/dispatch.py runs for them):
+    y + scaling (x A^T) B against float64 on the same bfloat16 x, y and pools, one rounding of the result, the float32
+    shrink over K and expand over R terms; rows without an adapter stay exactly as they were."""
+    from loom.kernels import lora
+
+    torch.manual_seed(4)
+    meta, R, owner = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    offs, K = [0, 24, 32, 300], 48
+    x, y0 = torch.randn(num_tokens, K).to(BF16), torch.randn(num_tokens, offs[-1]).to(BF16)
+    a, b = torch.randn(3, R, K).to(BF16), torch.randn(R, offs[-1]).to(BF16)
+    got = dispatch.lora_apply(x, y0.clone(), a, b, offs, meta)
+    exact, size = y0.double().clone(), y0.double().abs()
+    for first, end, row, rank, scaling in lora.groups(meta):
+        t = meta.token_indices[first:end]
+        for s in range(3):
+            c0, c1 = offs[s], offs[s + 1]
+            coef = x[t].double() @ a[s, row:row + rank].double().T
+            exact[t, c0:c1] += scaling * coef @ b[row:row + rank, c0:c1].double()
+            size[t, c0:c1] += scaling * (x[t].double().abs() @ a[s, row:row + rank].double().abs().T) \
+                @ b[row:row + rank, c0:c1].double().abs()
+    within(got, exact, 2 * (K + max(ranks) + 4) * U32 * size, "lora bf16")
+    untouched = owner == -1
+    assert torch.equal(got[untouched], y0[untouched])

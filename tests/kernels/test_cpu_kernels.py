@@ -7,6 +7,7 @@ import torch
 import harness.kernel_cases as kcases
 from loom.kernels import cpu_ext, dispatch, lora
 from loom.kernels.cpu_paged_attention import paged_decode_attention_cpu, paged_prefill_attention_cpu
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.kernels.paged_decode_attention import paged_decode_attention_ref
 from loom.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
@@ -82,7 +83,7 @@ def test_store_kv_vs_reference():
     k, v = qkv[:, 2 * d:(2 + kvh) * d].view(T, kvh, d), qkv[:, (2 + kvh) * d:].view(T, kvh, d)
     slots = torch.randperm(4 * 8)[:T]
     slots[torch.randperm(T)[:3]] = -1
-    caches = [torch.full((4, 8, kvh, d), float("nan")) for _ in range(4)]
+    caches = [torch.full(kv_cache_shape(4, 8, kvh, d), float("nan")) for _ in range(4)]
     store_kv_cpu(k, v, caches[0], caches[1], slots)
     store_kv_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))

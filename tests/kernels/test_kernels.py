@@ -28,6 +28,14 @@ def test_triton_vs_ref(name, case, dtype, seed):
         kcases.CASES[name][0](dtype, DEVICE, **case)
 
 
+@pytest.mark.parametrize("case", [dict(), dict(num_tokens=3, ranks=(100, 3), out_sizes=(40,))])
+@pytest.mark.parametrize("dtype", kernel_dtypes())
+def test_lora_fused_equals_shrink_then_expand(case, dtype):
+    torch.manual_seed(5)
+    with gpu_bf16(dtype == torch.bfloat16):
+        kcases.check_lora_fused(dtype, DEVICE, exact=True, **case)
+
+
 def test_jit_compile_counter():
     """The counter gpu_check uses for "no compiles after warm-up": a new kernel variant counts once, a cached
     one never; the interpreter compiles nothing; a hook installed before it keeps being called and is restored."""

@@ -9,6 +9,7 @@ import harness.kernel_cases as kcases
 from harness.interpreter_bf16 import gpu_bf16
 from harness.suite_device import DEVICE, kernel_dtypes
 from loom.kernels import dispatch, rotary
+from loom.kernels.kv_layout import block_size_of, kv_cache_shape, read_slots
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
 
@@ -23,7 +24,8 @@ def _inputs(dtype, T=7, heads=9, kvh=3, d=64, rot=None, block_size=16, num_block
     pos = torch.randint(0, max_pos, (T,), dtype=torch.int64).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size)[:T].to(DEVICE)
     slots[T // 2] = -1  # not stored
-    cache = kcases.rnd(2, num_blocks, block_size, kvh, d, dtype=dtype, device=DEVICE)  # slots not written keep these
+    cache = kcases.rnd(2, *kv_cache_shape(num_blocks, block_size, kvh, d), dtype=dtype, device=DEVICE)  # slots not
+    # written keep these
     cs = kcases.cos_sin_cache(max_pos, rot or d, DEVICE)
     return qkv, (q, k, v), pos, slots, (cache[0], cache[1]), cs
 
@@ -50,11 +52,13 @@ def test_rotary_store_kv_vs_reference(case, dtype):
     kcases.assert_close(k.float(), kf, dtype, "rotated k")
     kcases.assert_close(kc.float(), kcf, dtype, "k cache")
     assert torch.equal(vc, vcs), "v cache: v copied into the written slots, the others untouched"
-    kept = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEVICE)
+    all_slots = torch.arange(kc.shape[0] * block_size_of(kc), device=DEVICE)
+    kept = torch.ones_like(all_slots, dtype=torch.bool)
     kept[slots[slots >= 0]] = False
-    assert torch.equal(kc.flatten(0, 1)[kept], kcs.flatten(0, 1)[kept]), "a k cache slot not written changed"
+    assert torch.equal(read_slots(kc, all_slots[kept]), read_slots(kcs, all_slots[kept])), \
+        "a k cache slot not written changed"
     stored = slots >= 0
-    assert torch.equal(kc.flatten(0, 1)[slots[stored]], k[stored]), "the k cache holds the rotated k"
+    assert torch.equal(read_slots(kc, slots[stored]), k[stored]), "the k cache holds the rotated k"
     d, rot = q.shape[-1], cs.shape[-1]
     if rot < d:  # partial rotary: the dims past rotary_dim are the projection's own
         assert torch.equal(q[..., rot:], qs[..., rot:]) and torch.equal(k[..., rot:], ks[..., rot:])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-SECTIONS = ["kernels", "kernel_grid", "engine", "lora", "sampler", "memory", "speed", "speed_8b"]
+SECTIONS = ["kernels", "kernel_grid", "engine", "lora", "sampler", "memory", "speed", "tp", "speed_8b"]
 
 
 def _run(args, interpret):
@@ -44,9 +44,30 @@ def test_gpu_check_cpu_smoke(tmp_path):
     decode = by["speed"]["tables"]["decode"]["rows"]
     assert {row[2] for row in decode} >= {1, 2} and any("LoRA" in row[0] for row in decode)
     assert by["speed"]["tables"]["paged decode attention"]["rows"]
+    assert {(row[1], row[2]) for row in by["tp"]["tables"]["tensor parallel decode"]["rows"]} == \
+        {(1, 1), (1, 2), (2, 1), (2, 2)}  # TP 1 and 2 (gloo) at batch 1 and 2
     assert {t["met"] for r in recs for t in r["targets"]} == {None}  # targets are judged on CUDA only
     assert "copy bandwidth" in p.stdout and "all sections passed" in p.stdout
     assert (tmp_path / "gpu_check_summary.txt").is_file() and (tmp_path / "gpu_check.log").is_file()
+
+
+def test_gpu_check_tp_section_skips_on_one_gpu(tmp_path, monkeypatch):
+    """The tp section on a device with one GPU: "skipped: 1 GPU", which is not a failure."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    import torch
+
+    from harness.gpu_report import Options, Recorder
+    from harness.gpu_tp import run_tp
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    rec = Recorder("tp", Options(smoke=False, device="cuda", work_dir=str(tmp_path), log_path="", model_dir="",
+                                 deadline=time.time() + 60, optional=True), None)
+    run_tp(rec, rec.opts)
+    out = rec.finish()
+    assert out["status"] == "skipped: 1 GPU" and out["checks"] == [], out
+    assert not gpu_check.section_failed(out)
+    assert gpu_check.section_failed({"status": "skipped: 2 ranks"}) and gpu_check.section_failed({"status": "fail"})
 
 
 def test_gpu_check_fails_when_a_section_fails(tmp_path):

@@ -34,8 +34,9 @@ def test_serving_kernels_sm90_bf16_no_spills_and_designed_occupancy(tmp_path):
         assert r["spill_stores"] == r["spill_loads"] == r["stack"] == 0, f"{what} spills: {r}"
         assert 0 < r["regs"] <= 255 and r["ctas_per_sm"] >= 1, what
         t = r["tiles"]
-        if r["kernel"] == "_decode_kernel":  # stream K/V: >= 3 CTAs (4 at head_dim 128), >= 24 KB of tiles in flight
-            assert r["ctas_per_sm"] >= (4 if t["D_PAD"] == 128 else 3), what
+        if r["kernel"] == "_decode_kernel":  # stream K/V: >= 3 CTAs (4 at head_dim 128 in a single pass; the split
+            # grid has ~2 programs per SM), >= 24 KB of tiles in flight
+            assert r["ctas_per_sm"] >= (4 if t["D_PAD"] == 128 and not t.get("SPLIT") else 3), what
             assert r["ctas_per_sm"] * t["BLOCK_N"] * t["D_PAD"] * 2 * 2 >= 24 * 1024, what
         elif r["kernel"] == "_prefill_kernel":
             assert r["ctas_per_sm"] * r["num_warps"] >= 8, what
@@ -49,7 +50,7 @@ import json, torch
 import kernel_compile_check as kcc, kernel_resources as kr
 kcc.targets[:] = [t for t in kcc.TARGETS if t.arch == 90]
 kcc._launching.update(group="decode", dtype="bf16")
-q, kc = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(8, 16, 2, 128, dtype=torch.bfloat16)
+q, kc = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)
 bt, sl = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
 kcc.pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=1, block_n=64)
 r = kr.resources(kcc.compiled[-1])

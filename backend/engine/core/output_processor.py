@@ -122,10 +122,22 @@ class OutputProcessor:
             p = seq.params
             nout = seq.num_output_tokens
             max_out = min(p.max_tokens, seq.max_total_tokens - seq.num_prompt_tokens)
-            reason = None
+            reason = error = None
+            m = seq.matcher
             for i, t in enumerate(toks):
                 n = nout + i + 1
-                if n >= p.min_tokens and ((t in eos and not p.ignore_eos) or t in p.stop_token_ids):
+                if m is not None:  # the grammar follows the emitted tokens; its stop token ends the output
+                    try:
+                        ok = m.accept_token(t)
+                    except Exception:
+                        ok = False
+                    if not ok:
+                        reason, error = "error", f"structured_outputs: the grammar cannot go on at token {t}"
+                    elif m.is_terminated():
+                        reason = "stop"
+                if reason is not None:
+                    pass
+                elif n >= p.min_tokens and ((t in eos and not p.ignore_eos) or t in p.stop_token_ids):
                     reason = "stop"
                 elif n >= max_out:
                     reason = "length"
@@ -144,7 +156,7 @@ class OutputProcessor:
             if reason is not None:
                 ending.append((seq, reason))
             results.append(StepOutput(seq.request_id, toks, lp, reason is not None, reason, seq.num_prompt_tokens,
-                                      seq.num_cached_tokens, cum, None, seq.index))
+                                      seq.num_cached_tokens, cum, error, seq.index))
         return results, ending, generated
 
     @staticmethod

@@ -187,6 +187,19 @@ class SamplingState:
             self._joined.remove(row)
         self._free.append(row)
 
+    def resync_output(self, seq) -> None:
+        """The sequence's output grew outside the sampler (a speculative run of several tokens): its output count,
+        and its penalty slot's output ids, rewritten from the sequence with the next step."""
+        row = seq.sampling_row
+        self.steps[row] = seq.num_output_tokens
+        slot = int(self.pen_slot[row])
+        if slot < 0:
+            return
+        out = seq.output_token_ids
+        self.pen_out_len[slot] = len(out)
+        self._pen_joined = [j for j in self._pen_joined if j[0] != slot]
+        self._pen_joined.append((slot, list(seq.prompt_token_ids) if self.flags[row] & REPETITION else None, out))
+
     # ---- penalty slots ---------------------------------------------------------------------------
     def _pen_join(self, seq, rep: bool) -> int:
         if not self._pen_free:

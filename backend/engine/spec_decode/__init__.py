@@ -1,7 +1,8 @@
-"""Speculative decoding: prompt-lookup (n-gram) proposals verified by the target model in one forward.
+"""Speculative decoding: prompt-lookup (n-gram) or draft-model proposals verified by the target in one forward.
 
 `SpeculativeConfig` (EngineConfig.speculative_config) turns it on; `SpecDecoder` is the engine's side: it drafts
-while the scheduler walks the running decodes, and verifies the drafted rows after the forward.
+while the scheduler walks the running decodes (`DraftModel` proposes for the whole step first), verifies the drafted
+rows after the forward, and asks `BackOff` whether a step should speculate at all.
 """
 from loom.engine.spec_decode.config import SpeculativeConfig
 

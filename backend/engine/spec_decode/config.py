@@ -1,5 +1,5 @@
 """SpeculativeConfig: vLLM's names (method, num_speculative_tokens, prompt_lookup_min / _max, model,
-disable_by_batch_size), validated at construction with errors naming the field."""
+disable_by_batch_size) and loom's backoff, validated at construction with errors naming the field."""
 from __future__ import annotations
 
 import json
@@ -7,22 +7,20 @@ from dataclasses import dataclass, fields
 
 from loom.errors import ConfigError
 
-# The back-off default. On CPU a step is bound by reading the weights while its rows are few, so a verify row of
-# 1 + k tokens costs about what a decode row costs; with many rows a step becomes compute-bound and every proposed
-# token is paid for. scripts/bench_spec.py (default model, 2 shared cores, noisy): at 4 decode rows grounded
-# prompts still gained 1.38x, open-ended ones were within noise (0.93x, acceptance 0.29); so speculate up to 4.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "ngram"  # "ngram" (prompt lookup); "draft_model" is refused for now
+    method: str = "ngram"  # "ngram" (prompt lookup) or "draft_model" (a small model with the target's tokenizer)
     num_speculative_tokens: int = 4  # k: tokens proposed, and verified in one target forward, per sequence
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up in the request's prompt and output
     prompt_lookup_min: int = 2  # shortest one tried (n from max down to min; the first n that matches wins)
     model: str = ""  # the draft model of method draft_model
-    # No speculation in a step whose decode rows exceed this (0: always speculate where proposals exist).
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # No speculation in a step whose decode rows exceed this (0: no such cap).
+    disable_by_batch_size: int = 0
+    # Not vLLM's: "measured" speculates in a step only where speculative steps of its batch size have been measured
+    # to generate tokens faster than plain ones (loom.engine.spec_decode.backoff); "off" speculates in every step the
+    # cap allows.
+    backoff: str = "measured"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -33,10 +31,12 @@ class SpeculativeConfig:
             return isinstance(v, int) and not isinstance(v, bool)
 
         check(self.method in ("ngram", "draft_model"), "method", f"must be ngram or draft_model, got {self.method!r}")
-        check(self.method != "draft_model", "method",
-              "draft_model is not supported yet: use ngram (prompt lookup), which needs no second model")
-        check(isinstance(self.model, str) and not self.model, "model",
-              "is only for method draft_model, which is not supported yet; leave it empty for ngram")
+        check(isinstance(self.model, str), "model", f"must be a path (a string), got {type(self.model).__name__}")
+        if self.method == "draft_model":
+            check(bool(self.model), "model", "is required with method draft_model: the draft model's directory (a "
+                                             "smaller model with the target's tokenizer)")
+        else:
+            check(not self.model, "model", "is only for method draft_model; leave it empty for ngram")
         check(is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 16,
               "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
         check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
@@ -44,6 +44,7 @@ class SpeculativeConfig:
         check(is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
               "prompt_lookup_max", f"must be an integer in [prompt_lookup_min={self.prompt_lookup_min}, 64], "
                                    f"got {self.prompt_lookup_max!r}")
+        check(self.backoff in ("measured", "off"), "backoff", f"must be measured or off, got {self.backoff!r}")
         check(is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 0, "disable_by_batch_size",
               f"must be an integer >= 0 (0 = never), got {self.disable_by_batch_size!r}")
 

@@ -13,13 +13,23 @@ accepted by the previous step on the host, so async scheduling is off):
    step), blocks that only rejected drafts used are freed; then the accepted run plus the one token after it go
    through the output processor's stops (eos, stop_token_ids, max_tokens, the context: the run is cut there).
 
-Not speculated (they take the plain path, stated in docs/CONFIGURATION.md): structured outputs (the grammar matcher
-would have to follow the proposals), penalties (their per-row state lives on the device, appended one token a
-step), a request's first token, requests with "speculative": false, and every decode of a step with more decode
-rows than disable_by_batch_size. Verify rows run eagerly (a step with one is not decode-only: no CUDA graph).
+Proposals come from prompt lookup (loom.engine.spec_decode.ngram) or a draft model (loom.engine.spec_decode.
+draft_model: proposed for all the step's candidates at once when the step starts, `active()`, and mirrored over
+every target forward, `after_forward()`).
+
+Structured outputs: proposals are checked against a fork of the sequence's grammar matcher (cut at the first token
+it refuses, and after the token that ends it); the fork's bitmask of each position is the verify row's mask, so
+each row's distribution is the one the plain path would sample; the matcher itself then accepts the emitted run.
+Penalties: each verify row's penalties are computed from the outputs before it (SamplingBatch.build); after the run
+the persistent penalty state is rewritten with the new outputs (SamplingState.resync_output).
+
+Not speculated: a request's first token, requests with "speculative": false, and every decode of a step the
+back-off (`active()`, loom.engine.spec_decode.backoff) leaves to the plain path. Verify rows run eagerly (a step
+with one is not decode-only: no CUDA graph).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +38,9 @@ import torch
 from loom.engine.core.sequence import Sequence, SequenceStatus
 from loom.engine.outputs import SpecDecodingStats
 from loom.engine.sample.sampler import Sampler, SamplingBatch
+from loom.engine.spec_decode.backoff import BackOff
 from loom.engine.spec_decode.config import SpeculativeConfig
+from loom.engine.spec_decode.draft_model import FixedMask, Proposal
 from loom.engine.spec_decode.ngram import propose_ngram
 from loom.engine.spec_decode.verifier import verify_rows
 
@@ -56,8 +68,15 @@ class SpecDecoder:
         self.vocab_size = engine.runner.vocab_size
         self.device = engine.runner.device
         self.stop_eos = sorted(engine.eos_token_ids)
+        self.draft_model = getattr(engine, "draft", None)  # loom.engine.spec_decode.draft_model.DraftModel (or None)
         self.sampler = Sampler()
         self.stats = SpecDecodingStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._prepared: dict[Sequence, Proposal] = {}  # draft model: this step's proposals, made by active()
+        self._current: dict[Sequence, Proposal] = {}  # the proposals being verified this step
+        self.backoff = BackOff() if config.backoff == "measured" else None
+        self._step: tuple[int, bool, float] | None = None  # this step's (decode rows, speculated, start time)
+        self._pure = False  # this step has decode and verify rows only
+        self._drafted = False  # ... and proposals were verified in it
 
     @classmethod
     def attach(cls, engine) -> "SpecDecoder":
@@ -69,28 +88,123 @@ class SpecDecoder:
 
     # ---- scheduling (loom.engine.core.scheduler.Drafter) ------------------------------------------------
     def active(self, running: list[Sequence]) -> bool:
+        """Called as a step is scheduled: whether it speculates (disable_by_batch_size, then the measured back-off);
+        a draft model proposes here for the whole step."""
+        decode = sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1)
         limit = self.config.disable_by_batch_size
-        if not limit or len(running) <= limit:
-            return True
-        return sum(1 for s in running if len(s.token_ids) - s.num_computed_tokens == 1) <= limit
+        on = not limit or decode <= limit
+        if on and decode and self.backoff is not None:
+            on = self.backoff.choose(decode)
+        self._step = (decode, on, time.perf_counter())
+        self._pure = False
+        self._prepared, self._current = {}, {}  # (a failed step may have left some)
+        if on and self.draft_model is not None:
+            self._prepare(running)
+        return on
+
+    def end_step(self, generated: int) -> None:
+        """The step's outputs are made: a decode-only step's rate goes to the back-off."""
+        if self.backoff is not None and self._step is not None and self._pure:
+            decode, on, t0 = self._step
+            if not on or self._drafted:  # a speculative step without proposals says nothing about speculation
+                self.backoff.observe(decode, on, generated, time.perf_counter() - t0)
+        self._step = None
+
+    def _eligible(self, seq: Sequence) -> bool:
+        return seq.params.speculative and seq.sampling_row >= 0 and seq.num_output_tokens > 0
+
+    def _max_k(self, seq: Sequence) -> int:
+        """Proposals that can all be emitted with the token after them (max_tokens, the context)."""
+        p = seq.params
+        max_out = min(p.max_tokens, seq.max_total_tokens - seq.num_prompt_tokens)
+        return min(self.config.num_speculative_tokens, max_out - seq.num_output_tokens - 1)
+
+    def _sampling_lists(self, seq: Sequence) -> tuple[list[int], bool]:
+        p = seq.params
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else self.stop_eos), seq.wants_logprob
+
+    def _prepare(self, running: list[Sequence]) -> None:
+        """Draft-model proposals for every decode that may speculate this step, in one batch of draft forwards.
+        Blocks for the verify row are taken now (the draft writes its KV there), never the last free ones the
+        running decodes may need."""
+        cands, ks = [], []
+        reserve = len(running)
+        for seq in running:
+            if len(seq.token_ids) - seq.num_computed_tokens != 1 or not self._eligible(seq):
+                continue
+            k = self._max_k(seq)
+            if k <= 0:
+                continue
+            need = self.bm.blocks_needed(seq, 1 + k)
+            if self.bm.num_free_blocks - need < reserve or not self.bm.allocate(seq, 1 + k):
+                continue
+            cands.append(seq)
+            ks.append(k)
+        if cands:
+            props = self.draft_model.propose(cands, ks, self._sampling_lists)
+            self._prepared = dict(zip(cands, props))
 
     def draft(self, seq: Sequence, max_tokens: int) -> int:
-        p = seq.params
-        if not (p.speculative and seq.matcher is None and seq.sampling_row >= 0 and seq.num_output_tokens
-                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+        if not self._eligible(seq):
             return 0
-        max_out = min(p.max_tokens, seq.max_total_tokens - seq.num_prompt_tokens)
-        k = min(self.config.num_speculative_tokens, max_tokens, max_out - seq.num_output_tokens - 1)
-        c = self.config
-        proposals = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
-        seq.token_ids += proposals
-        seq.num_draft_tokens = len(proposals)
-        return len(proposals)
+        k = min(self._max_k(seq), max_tokens)
+        if k <= 0:
+            return 0
+        if self.draft_model is not None:
+            prop = self._prepared.pop(seq, None)
+            if prop is None:
+                return 0
+            prop = prop.cut(k)
+        else:
+            c = self.config
+            prop = Proposal(propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max))
+            if seq.matcher is not None and prop.tokens:
+                prop = self._check_grammar(seq, prop.tokens)
+        if not prop.tokens:
+            return 0
+        self._current[seq] = prop
+        seq.token_ids += prop.tokens
+        seq.num_draft_tokens = len(prop.tokens)
+        return len(prop.tokens)
+
+    def _check_grammar(self, seq: Sequence, tokens: list[int]) -> Proposal:
+        """Prompt-lookup proposals cut at the first token the grammar refuses (and after one that ends it), with the
+        grammar's bitmask of each verify position."""
+        import xgrammar as xgr
+
+        m = seq.matcher.fork()
+        bm = xgr.allocate_token_bitmask(1, self.vocab_size)
+        masks, kept, ended = [], [], False
+        for t in tokens:
+            m.fill_next_token_bitmask(bm, 0)
+            masks.append(bm[0].clone())
+            if not m.accept_token(t):
+                break
+            kept.append(t)
+            if m.is_terminated():
+                ended = True
+                break
+        if len(masks) == len(kept):
+            if ended:
+                masks.append(None)
+            else:
+                m.fill_next_token_bitmask(bm, 0)
+                masks.append(bm[0].clone())
+        return Proposal(kept, None, masks)
 
     def undo(self, seq: Sequence) -> None:
+        self._current.pop(seq, None)
         if seq.num_draft_tokens:
             del seq.token_ids[-seq.num_draft_tokens:]
             seq.num_draft_tokens = 0
+
+    def after_forward(self, batch) -> None:
+        """The target's forward of a step is queued (computed lengths not advanced yet): the draft's KV follows it."""
+        # decode rows and verify rows only: a step the back-off can compare with another of the same rows
+        self._pure = all(n == 1 or s.num_draft_tokens for s, n in zip(batch.seqs, batch.num_scheduled_tokens))
+        self._drafted = bool(self._current)
+        if self.draft_model is not None:
+            self.draft_model.mirror(batch)
 
     # ---- the step ----------------------------------------------------------------------------------
     @staticmethod
@@ -129,11 +243,15 @@ class SpecDecoder:
 
     def _verify(self, drafted: list[Sequence], logits: torch.Tensor) -> list[Run]:
         params, seeds, prompts, outputs, stops, constraints, want_lp, proposals = [], [], [], [], [], [], [], []
-        for seq in drafted:
+        matchers: list | None = None
+        q_rows: list | None = None
+        props = [self._current.pop(seq, None) or Proposal(seq.token_ids[-seq.num_draft_tokens:]) for seq in drafted]
+        zero = None
+        for seq, prop in zip(drafted, props):
             p, k = seq.params, seq.num_draft_tokens
             out = seq.output_token_ids  # with the proposals: row j sees the outputs and d_1..d_j
             n0 = len(out) - k
-            stop = list(p.stop_token_ids) + ([] if p.ignore_eos else self.stop_eos)
+            stop, wants = self._sampling_lists(seq)
             for j in range(k + 1):
                 params.append(p)
                 seeds.append(seq.seed)
@@ -141,13 +259,22 @@ class SpecDecoder:
                 outputs.append(out[:n0 + j])
                 stops.append(stop)
                 constraints.append(seq.constraints)
-                want_lp.append(seq.wants_logprob)
+                want_lp.append(wants)
             proposals += out[n0:] + [-1]
+            if prop.masks is not None and matchers is None:
+                matchers = [None] * (len(params) - k - 1)
+            if matchers is not None:
+                matchers += [FixedMask(m) for m in prop.masks] if prop.masks is not None else [None] * (k + 1)
+            if prop.q is not None and q_rows is None:
+                zero = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+                q_rows = [zero] * (len(params) - k - 1)
+            if q_rows is not None:
+                q_rows += list(prop.q.unbind(0)) + [zero] if prop.q is not None else [zero] * (k + 1)
         b = SamplingBatch.build(params, seeds, prompts, outputs, stops, self.vocab_size, self.device,
-                                constraints=constraints, want_logprobs=want_lp)
+                                constraints=constraints, matchers=matchers, want_logprobs=want_lp)
         top_k = max((s.params.logprobs or 0) for s in drafted) if any(s.wants_logprob for s in drafted) else -1
         v = verify_rows(self.sampler, logits, b, torch.tensor(proposals, dtype=torch.int64, device=self.device),
-                        top_k)
+                        top_k, None if q_rows is None else torch.stack(q_rows))
         runs, r = [], 0
         st = self.stats
         for seq in drafted:
@@ -187,5 +314,5 @@ class SpecDecoder:
         for seq, _, _ in runs:
             if id(seq) not in ended:
                 self.bm.register_full_blocks(seq)
-                self.state.steps[seq.sampling_row] = seq.num_output_tokens  # the plain path's output index
+                self.state.resync_output(seq)  # the plain path's output index and penalty state
         return results, ending, generated

@@ -7,10 +7,12 @@ temperature, top-k / top-p / min-p), so:
 
 * greedy rows accept d_{j+1} iff it is the argmax; the argmax is the token when it is not (identical to the
   non-speculative engine's tokens);
-* random rows: the proposal is a point mass q = 1{d}, so Leviathan et al.'s rule accepts d with probability
-  min(1, p(d) / q(d)) = p(d); on rejection the token is drawn from the residual max(p - q, 0) normalised, which is p
-  with d removed. The first rejected row's draw (or, all accepted, the bonus row's draw from p) ends the run: each
-  emitted token is distributed exactly as the target's at its position.
+* random rows: Leviathan et al.'s rule accepts d with probability min(1, p(d) / q(d)), q the distribution d was
+  drawn from, and on rejection draws from the residual max(p - q, 0) normalised. A prompt-lookup proposal is a
+  point mass q = 1{d}: acceptance with probability p(d), the residual is p with d removed. A draft model's q is its
+  own filtered distribution at that position (loom.engine.spec_decode.draft_model). The first rejected row's draw
+  (or, all accepted, the bonus row's draw from p) ends the run: each emitted token is distributed exactly as the
+  target's at its position.
 
 Draws use the sampler's counter uniform of (seed, output index), the same stream the plain path uses; acceptance
 uses a separate stream of the same key, so the two are independent.
@@ -42,10 +44,12 @@ class RowVerdicts:
     top_logprobs: np.ndarray | None = None  # [R, K]
 
 
-def verify_rows(sampler: Sampler, logits: Tensor, b: SamplingBatch, proposals: Tensor, top_k: int) -> RowVerdicts:
+def verify_rows(sampler: Sampler, logits: Tensor, b: SamplingBatch, proposals: Tensor, top_k: int,
+                q: Tensor | None = None) -> RowVerdicts:
     """logits [R, V] (float32), b the rows' SamplingBatch (steps = output index of each row), proposals [R] int64
-    (-1: no proposal, the bonus row). top_k < 0: no logprobs; otherwise the proposal's and fallback's logprobs and
-    the top_k best of each row. One device-to-host copy."""
+    (-1: no proposal, the bonus row). q [R, V]: the probabilities each random row's proposal was drawn from (None:
+    point masses, prompt lookup; read only on random rows with a proposal). top_k < 0: no logprobs; otherwise the
+    proposal's and fallback's logprobs and the top_k best of each row. One device-to-host copy."""
     R = logits.shape[0]
     logits, x, xr = sampler.filtered(logits, b)
     has = proposals >= 0
@@ -62,14 +66,21 @@ def verify_rows(sampler: Sampler, logits: Tensor, b: SamplingBatch, proposals: T
         rows = torch.arange(R, device=logits.device) if b.random_rows is None else b.random_rows
         dr, hr = d.index_select(0, rows), has.index_select(0, rows)
         seeds, steps = b.random_part(b.seeds), b.random_part(b.steps)
-        p_d = (xr.gather(1, dr[:, None]).squeeze(1) - torch.logsumexp(xr, dim=-1)).exp()
         u_acc = counter_uniform(mix64(seeds) ^ ACCEPT_STREAM, steps)
-        accepted.index_copy_(0, rows, hr & (u_acc < p_d))
-        # the residual: p without the proposal (rows without one draw from p itself)
-        residual = xr.clone()
-        hit = torch.nonzero(hr).flatten()
-        residual[hit, dr[hit]] = float("-inf")
-        dead = torch.isneginf(residual).all(dim=-1)  # p was all on the proposal (then it is always accepted)
+        if q is None:
+            p_d = (xr.gather(1, dr[:, None]).squeeze(1) - torch.logsumexp(xr, dim=-1)).exp()
+            accepted.index_copy_(0, rows, hr & (u_acc < p_d))
+            # the residual: p without the proposal (rows without one draw from p itself)
+            residual = xr.clone()
+            hit = torch.nonzero(hr).flatten()
+            residual[hit, dr[hit]] = float("-inf")
+        else:
+            p = torch.softmax(xr.double(), dim=-1)
+            qr = torch.where(hr[:, None], q.index_select(0, rows).double(), 0.0)
+            p_d, q_d = p.gather(1, dr[:, None]).squeeze(1), qr.gather(1, dr[:, None]).squeeze(1)
+            accepted.index_copy_(0, rows, hr & (u_acc * q_d < p_d))  # u < p(d) / q(d), no division by a zero q
+            residual = (p - qr).clamp_(min=0).log_().float()  # max(p - q, 0); rows without a proposal: p
+        dead = torch.isneginf(residual).all(dim=-1)  # p was all under q (then the proposal is always accepted)
         residual = torch.where(dead[:, None], xr, residual)
         fallback.index_copy_(0, rows, sample_from_logits(residual, counter_uniform(seeds, steps)))
     parts = [accepted.double(), fallback.double()]

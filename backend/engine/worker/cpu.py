@@ -110,7 +110,7 @@ def apply_path(model: nn.Module, path) -> None:
     nothing (CUDA, the references)."""
     import time
 
-    from loom.kernels.policy import CPU, GEMM_ONEDNN
+    from loom.kernels.policy import CPU, GEMM_LOOM_BF16, GEMM_ONEDNN
 
     t = time.perf_counter()
     if path.quant == CPU:
@@ -122,7 +122,9 @@ def apply_path(model: nn.Module, path) -> None:
         return
     t = time.perf_counter()
     if path.gemm == GEMM_ONEDNN:
-        n, how = pack_linear_weights_bf16(model), "oneDNN's prepacked bfloat16 layout"
+        n, how = pack_linear_weights_bf16(model, loom=False), "oneDNN's prepacked bfloat16 layout"
+    elif path.gemm == GEMM_LOOM_BF16:
+        n, how = pack_linear_weights_bf16(model, loom=True), "loom's bfloat16 GEMM (VDPBF16PS panels)"
     else:
         n, how = pack_linear_weights(model, experts=path.packed_experts), "the C++ GEMM's panels"
     log.info("packed %d linear layers' weights for %s in %.2fs", n, how, time.perf_counter() - t)
@@ -169,12 +171,13 @@ def pack_linear_weights(model: nn.Module, experts: bool = True) -> int:
     return len(mods)
 
 
-def pack_linear_weights_bf16(model: nn.Module) -> int:
-    """Route every linear layer of a CPU bfloat16 model through oneDNN's prepacked bfloat16 GEMM
-    (kernels/cpu_linear.PrepackedBf16, weights re-laid out once here): LoRALinear via its `dense` hook (its LoRA then
-    runs after it, on the PyTorch path), plain nn.Linear (lm_head, MoE routers) via its forward; MoE experts keep
-    their PyTorch path. Returns how many modules were packed; each holds a second, packed copy of its weights."""
-    from loom.kernels.cpu_linear import PrepackedBf16
+def pack_linear_weights_bf16(model: nn.Module, loom: bool) -> int:
+    """Route every linear layer of a CPU bfloat16 model through a bfloat16 GEMM over weights re-laid out once here:
+    loom's (kernels/cpu_linear.PackedBf16, VDPBF16PS panels) with `loom`, else oneDNN's prepacked one
+    (kernels/cpu_linear.PrepackedBf16): LoRALinear via its `dense` hook (its LoRA then runs after it, on the PyTorch
+    path), plain nn.Linear (lm_head, MoE routers) via its forward; MoE experts keep their PyTorch path. Returns how
+    many modules were packed; each holds a second, packed copy of its weights."""
+    from loom.kernels.cpu_linear import PackedBf16, PrepackedBf16
     from loom.layers.linear import LoRALinear
     from loom.layers.quant_linear import QuantLinear
 
@@ -183,7 +186,7 @@ def pack_linear_weights_bf16(model: nn.Module) -> int:
         if not isinstance(mod, (LoRALinear, nn.Linear)) or isinstance(mod, QuantLinear) or \
                 mod.weight.dtype != torch.bfloat16:
             continue
-        packed = PrepackedBf16(mod.weight, mod.bias)
+        packed = (PackedBf16 if loom else PrepackedBf16)(mod.weight, mod.bias)
         if isinstance(mod, LoRALinear):
             mod.dense = packed
         else:
@@ -193,10 +196,12 @@ def pack_linear_weights_bf16(model: nn.Module) -> int:
 
 
 def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
-    """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) for the C++ weight-only GEMM
+    """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) and QuantExperts
+    (layers/quant_experts.py) for the C++ weight-only GEMM
     (kernels/cpu_quant.PackedQuantWeight), dropping the checkpoint-layout copy; a part the kernel does not take
     keeps its QuantizedWeight (the reference runs it). Returns (layers re-laid out, bytes of their panels)."""
     from loom.kernels.cpu_quant import PackedQuantWeight, takes
+    from loom.layers.quant_experts import QuantExperts
     from loom.layers.quant_linear import QuantLinear
     from loom.models.quant.weight import QuantizedWeight
 
@@ -212,7 +217,7 @@ def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
         return packed
 
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, (QuantLinear, QuantExperts)):
             mod.map_parts(pack)
             n += 1
     return n, nbytes

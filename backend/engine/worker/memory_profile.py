@@ -24,14 +24,12 @@ import logging
 import torch
 
 from loom.engine.worker.compiled_forward import logits_of
+from loom.engine.worker.memory_plan import kv_budget, reserve_estimate
 from loom.engine.worker.warmup import fake_batch
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.layers.forward_context import forward_context
 
 log = logging.getLogger("loom")
-
-# allocator fragmentation (segments rounded up, blocks split), cuBLAS workspaces of a serving thread other than the
-# one that profiled, CUDA context growth (kernel modules, graph executables), small buffers made later
-MARGIN = 256 << 20
 
 
 def _peak(fn) -> int:
@@ -47,8 +45,8 @@ def _peak(fn) -> int:
 def kv_cache_budget(runner) -> int:
     cfg = runner.config
     attn = runner.model.attention_layers()
-    stand_in = torch.zeros((2, 1, runner.block_size, runner.num_kv_heads, runner.head_dim), dtype=runner.dtype,
-                           device=runner.device)
+    stand_in = torch.zeros((2,) + kv_cache_shape(1, runner.block_size, runner.num_kv_heads, runner.head_dim),
+                           dtype=runner.dtype, device=runner.device)
     before = [(layer.k_cache, layer.v_cache) for layer in attn]
     for layer in attn:
         layer.k_cache, layer.v_cache = stand_in[0], stand_in[1]
@@ -88,7 +86,12 @@ def kv_cache_budget(runner) -> int:
     free, total = torch.cuda.mem_get_info(runner.device)
     used = total - free
     lora = cfg.lora_memory_bytes + cfg.lora_expert_memory_bytes
-    budget = int(total * cfg.gpu_memory_utilization) - used - max(prefill, sampling) - 2 * graphs - lora - MARGIN
+    budget = kv_budget(total, cfg.gpu_memory_utilization, used, max(prefill, sampling), graphs, lora)
+    world = runner.tp.world_size if runner.tp is not None else 1
+    planned = reserve_estimate(runner.hf_config, cfg, runner.dtype, world)
+    log.info("memory plan's estimates (scripts/plan_memory.py): transient peak %.2f GiB, graph forward %.2f GiB; "
+             "measured %.2f GiB, %.2f GiB", planned[0] / 2**30, planned[1] / 2**30, max(prefill, sampling) / 2**30,
+             graphs / 2**30)
     log.info("KV cache budget %.2f GiB: %.2f GiB x %.2f, in use %.2f GiB, prefill peak %.2f GiB, sampler %.2f GiB, "
              "graph forward %.2f GiB (x2), LoRA pools %.2f GiB", budget / 2**30, total / 2**30,
              cfg.gpu_memory_utilization,

@@ -28,7 +28,9 @@ from loom.engine.config import EngineConfig
 from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.worker import cpu
 from loom.engine.worker.compiled_forward import build_forward
+from loom.engine.worker.memory_plan import CPU_KV_BYTES, kv_blocks, kv_bytes_per_token, model_bytes
 from loom.kernels.cpu_memory import large_zeros
+from loom.kernels.kv_layout import kv_cache_shape
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
@@ -41,10 +43,15 @@ log = logging.getLogger("loom")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, tp=None):
-        """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
+    def __init__(self, config: EngineConfig, model_dir: str, tp=None, kv_share_bytes: int = 0,
+                 defer_kv: bool = False):
+        """tp: this rank's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None.
+        kv_share_bytes: bytes per KV block that another model keeps beside this one's blocks (a draft model's share:
+        the budget holds both). defer_kv: no KV cache yet (a draft model: allocate_kv() with the target's count)."""
         self.tp = tp
+        self.kv_share_bytes = kv_share_bytes
         self._copies: list[tuple[int, int]] = []  # rank 0: KV block copies the other ranks make at the next step
+        self.peer_log = None  # rank 0: LoRA rows written since the last step (loom.lora.tp_pools), set by the engine
         if tp is not None and config.cuda_graphs:
             config = replace(config, cuda_graphs=False)
             if tp.rank == 0 and config.torch_device.type == "cuda":
@@ -58,6 +65,9 @@ class ModelRunner:
         max_len = config.max_model_len or model_max  # sliding-window layers attend within their window
         self.max_model_len = max_len
         self.model, self.hf_config = load_model(model_dir, self.dtype, self.device, max_len, tp=tp)
+        self.weight_bytes = model_bytes(self.model)  # as loaded (scripts/plan_memory.py predicts it)
+        log.info("model: %.3f GiB%s as loaded (weights, rope tables)", self.weight_bytes / 2**30,
+                 f" on rank {tp.rank}" if tp is not None else "")
         self.vocab_size = hf_cfg.vocab_size
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_len // self.block_size)
@@ -77,13 +87,10 @@ class ModelRunner:
         self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
         self.graphs = None  # loom.engine.worker.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
         self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
-        self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
-        # (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions.
-        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
-        for i, layer in enumerate(attn):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.num_blocks = 0
+        self.kv_cache = None
+        if not defer_kv:
+            self.allocate_kv(self._num_kv_blocks())
         if self.device.type == "cpu":  # tensor-parallel ranks share the cores unless told
             cpu.set_up_process(config.cpu_threads or (max(1, cpu.available_cores() // tp.world_size) if tp else 0))
         # where the ops run, decided once (kernels/policy.py): the C++ library is built or loaded here on CPU, not in
@@ -123,10 +130,18 @@ class ModelRunner:
         return self._capture_stream
 
     # ---- KV sizing -----------------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        """One preallocated tensor for the whole cache; each layer gets views of it. On the CPU it sits on huge pages
+        (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions."""
+        self.num_blocks = num_blocks
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes
@@ -136,12 +151,13 @@ class ModelRunner:
 
                 budget = kv_cache_budget(self)
             else:
-                budget = 1 << 30
-        n = budget // self.bytes_per_block
+                budget = CPU_KV_BYTES
+        n = kv_blocks(budget, self.bytes_per_block + self.kv_share_bytes)
         if self.tp is not None:  # every rank holds the same blocks: as many as the smallest rank's memory holds
             n = self.tp.min_int(n)
         if n < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {self.bytes_per_block} bytes")
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of "
+                             f"{self.bytes_per_block + self.kv_share_bytes} bytes")
         return int(n)
 
     # ---- start-up --------------------------------------------------------------------------------
@@ -301,12 +317,10 @@ class ModelRunner:
             out = self.graphs.run(batch, lora, fill)
             if out is not None:
                 return out
-        if lora is not None and self.tp is not None:
-            raise RuntimeError("LoRA adapters are not served with tensor_parallel_size > 1")
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with self.tp.step_guard() if self.tp is not None else nullcontext():  # a dead rank: an error naming it
             if self.tp is not None:
-                send_step(self.tp, ids, ctx, self._copies)
+                send_step(self.tp, ids, ctx, self._copies, self.peer_log.take() if self.peer_log is not None else None)
                 self._copies = []
             with forward_context(ctx):
                 logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
@@ -315,7 +329,7 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV block src -> dst for each pair, every layer (n > 1 forks copy a partly filled block). With tensor
         parallelism each rank copies its own heads: rank 0 now, the others before the next step's forward."""
-        kv = self.kv_cache  # [layers, 2, blocks, block_size, kv heads, head dim]
+        kv = self.kv_cache  # [layers, 2, blocks, ...]: a block is whole at index 2 (kernels/kv_layout.py)
         for src, dst in copies:
             kv[:, :, dst].copy_(kv[:, :, src])
         if self.tp is not None and self.tp.rank == 0:

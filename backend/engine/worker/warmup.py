@@ -30,7 +30,7 @@ import torch
 
 from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.worker.compiled_forward import logits_of
-from loom.kernels.lora import block_r_for, lora_shrink_triton
+from loom.kernels.lora import FUSED_MAX_TOKENS, block_r_for, lora_shrink_triton
 from loom.kernels.policy import TRITON
 from loom.layers.forward_context import LoraBatchMeta, forward_context
 
@@ -153,6 +153,8 @@ def run_steps(runner) -> WarmupReport:
                 batch = fake_batch([n], block_size=bs) if n > 1 else fake_batch([], decode=1, block_size=bs)
                 _forward(runner, batch, _meta(n, r, dev))
                 rep.steps += 1
+                if n <= FUSED_MAX_TOKENS:  # the fused shrink + expand, which the step above ran
+                    continue
                 for mod in mods.values():  # the split reduction on and off, whichever the step chose
                     x = torch.empty((n, mod.in_features), dtype=runner.dtype, device=dev)
                     for split in (1, 2):

@@ -2,9 +2,9 @@
 the common QuantizedWeight, and one reference `dequantize`. The loader dequantises each quantized linear weight into
 the model's compute dtype at load time."""
 from loom.models.quant.base import QuantMethod
-from loom.models.quant.checkpoint import checkpoint_tensors
+from loom.models.quant.checkpoint import checkpoint_tensors, quantized_modules
 from loom.models.quant.config import METHODS, parse_quant_config
 from loom.models.quant.weight import QuantizedWeight, dequantize, pack_int32, unpack_int32
 
 __all__ = ["METHODS", "QuantMethod", "QuantizedWeight", "checkpoint_tensors", "dequantize", "pack_int32",
-           "parse_quant_config", "unpack_int32"]
+           "parse_quant_config", "quantized_modules", "unpack_int32"]

@@ -13,7 +13,7 @@ import torch
 
 from loom.models.quant.base import QuantMethod, fail, need, read_int
 from loom.models.quant.gptq import group_size
-from loom.models.quant.weight import QuantizedWeight, pack_int32, unpack_int32
+from loom.models.quant.weight import QuantizedWeight, meta_weight, num_groups, pack_int32, unpack_int32
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 REVERSE_ORDER = tuple(ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3, 7)
@@ -22,6 +22,7 @@ REVERSE_ORDER = tuple(ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3,
 @dataclass(frozen=True)
 class Awq(QuantMethod):
     group_size: int | None
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert: names of modules the checkpoint keeps in float
 
     marker = "qweight"
     components = frozenset({"qweight", "qzeros", "scales"})
@@ -34,7 +35,14 @@ class Awq(QuantMethod):
             raise fail("version", f"{q.get('version')!r} is not supported; loom loads AWQ's GEMM layout")
         if not q.get("zero_point", True):
             raise fail("zero_point", "false is not supported; loom loads AWQ with zero points")
-        return cls(group_size(q, "group_size"))
+        return cls(group_size(q, "group_size"), tuple(q.get("modules_to_not_convert") or ()))
+
+    def quantizes(self, module: str) -> bool:
+        return not any(m in module for m in self.not_converted)
+
+    def layout(self, module: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+        n = num_groups(shape[1], self.group_size)
+        return meta_weight(shape, "int", 4, (shape[0], n), torch.float16, zero=True, group_size=self.group_size)
 
     def read(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         qweight, scales = need(module, tensors, "qweight"), need(module, tensors, "scales")

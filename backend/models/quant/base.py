@@ -29,6 +29,16 @@ class QuantMethod(ABC):
     components: ClassVar[frozenset[str]]
     activations: str | None = None  # "dynamic" / "static" activation quantization the checkpoint asks for, if any
 
+    def quantizes(self, module: str) -> bool:
+        """From the config alone (the memory plan): whether the checkpoint stores this linear module (its name in the
+        checkpoint) quantized. Default: all of them (the formats' own lists of exceptions override it)."""
+        return True
+
+    @abstractmethod
+    def layout(self, module: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+        """What `read` gives for this module of this [out, in] shape, on the meta device (`meta_weight`): the memory
+        plan's bytes. dtype: the checkpoint's float dtype (the scales' type where the format keeps them in it)."""
+
     @abstractmethod
     def read(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         """The module's quantized weight from its component tensors (suffix -> tensor); ValueError if malformed."""

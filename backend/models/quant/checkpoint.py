@@ -15,6 +15,21 @@ from loom.models.quant.base import QuantMethod
 from loom.models.quant.weight import QuantizedWeight
 
 
+def quantized_modules(files: list[str], method: QuantMethod) -> dict[str, set[str]]:
+    """Each module the checkpoint stores quantized (it has `<module>.<marker>`) -> the component suffixes it has, from
+    the safetensors headers (no tensor read)."""
+    every = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            every.update(f.keys())
+    out = {}
+    for n in every:
+        module, _, suffix = n.rpartition(".")
+        if suffix == method.marker:
+            out[module] = {c for c in method.components if f"{module}.{c}" in every}
+    return out
+
+
 def checkpoint_tensors(files: list[str], method: QuantMethod | None, error: type[Exception] = ValueError
                        ) -> Iterator[tuple[str, str, torch.Tensor | QuantizedWeight]]:
     """`error`: what a module whose tensors do not fit its format raises (the loader's ModelLoadError)."""
@@ -22,13 +37,8 @@ def checkpoint_tensors(files: list[str], method: QuantMethod | None, error: type
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             names[path] = list(f.keys())
-    expected: dict[str, set[str]] = {}  # quantized module -> the component suffixes the checkpoint has for it
-    if method is not None:
-        every = {n for keys in names.values() for n in keys}
-        for n in every:
-            module, _, suffix = n.rpartition(".")
-            if suffix == method.marker:
-                expected[module] = {c for c in method.components if f"{module}.{c}" in every}
+    # quantized module -> the component suffixes the checkpoint has for it
+    expected = quantized_modules(files, method) if method is not None else {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:

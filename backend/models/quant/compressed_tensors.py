@@ -22,7 +22,7 @@ import torch
 
 from loom.models.quant.base import QuantMethod, fail, need
 from loom.models.quant.gptq import act_order
-from loom.models.quant.weight import QuantizedWeight, pack_int32, unpack_int32
+from loom.models.quant.weight import QuantizedWeight, meta_weight, num_groups, pack_int32, unpack_int32
 
 INT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
@@ -52,6 +52,7 @@ class Scheme:
 @dataclass(frozen=True)
 class CompressedTensors(QuantMethod):
     schemes: tuple[Scheme, ...]
+    ignore: tuple[str, ...] = ()  # modules left unquantized: names or "re:" regexes
 
     marker = "weight_scale"
     components = frozenset({"weight", "weight_packed", "weight_shape", "weight_scale", "weight_zero_point",
@@ -72,7 +73,21 @@ class CompressedTensors(QuantMethod):
         groups = q.get("config_groups") or {}
         if not groups:
             raise fail("config_groups", "is empty: no quantization scheme to load")
-        return cls(tuple(_scheme(f"config_groups.{name}", g, q.get("format")) for name, g in groups.items()))
+        return cls(tuple(_scheme(f"config_groups.{name}", g, q.get("format")) for name, g in groups.items()),
+                   tuple(q.get("ignore") or ()))
+
+    def quantizes(self, module: str) -> bool:
+        ignored = any(t == module or (t.startswith("re:") and re.match(t[3:], module)) for t in self.ignore)
+        return not ignored and any(s.matches(module) for s in self.schemes)
+
+    def layout(self, module: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+        s = self.scheme(module)
+        out, inp = shape
+        rows = {"tensor": (1, 1), "channel": (out, 1), "group": (out, num_groups(inp, s.group_size))}.get(
+            s.strategy) or (-(-out // s.block[0]), -(-inp // s.block[1]))
+        # scales in the checkpoint's dtype, as compressed-tensors writes them
+        return meta_weight(shape, s.kind, s.bits, rows, dtype, zero=not s.symmetric, group_size=s.group_size,
+                           block=s.block)
 
     def scheme(self, module: str) -> Scheme:
         """The first scheme (in config order) one of whose targets selects the module."""

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from loom.models.quant.base import QuantMethod, fail, need
-from loom.models.quant.weight import QuantizedWeight
+from loom.models.quant.weight import QuantizedWeight, meta_weight
 
 
 @dataclass(frozen=True)
 class FineGrainedFp8(QuantMethod):
     block: tuple[int, int] | None
     activations: str | None
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert
 
     marker = "weight_scale_inv"
     components = frozenset({"weight", "weight_scale_inv", "input_scale", "activation_scale"})
@@ -37,7 +38,15 @@ class FineGrainedFp8(QuantMethod):
             raise fail("scale_fmt", f"{q.get('scale_fmt')!r} is not supported (float or ue8m0)")
         if q.get("expert_dtype", "fp8") != "fp8":
             raise fail("expert_dtype", f"{q.get('expert_dtype')!r} is not supported; loom loads FP8 experts only")
-        return cls(block, act)
+        return cls(block, act, tuple(q.get("modules_to_not_convert") or ()))
+
+    def quantizes(self, module: str) -> bool:
+        return not any(m in module for m in self.not_converted)
+
+    def layout(self, module: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+        b = self.block
+        rows = (1, 1) if b is None else (-(-shape[0] // b[0]), -(-shape[1] // b[1]))
+        return meta_weight(shape, "fp8", 8, rows, torch.float32, block=b)
 
     def read(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         weight, scale = need(module, tensors, "weight"), need(module, tensors, "weight_scale_inv")

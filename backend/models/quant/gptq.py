@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.models.quant.base import QuantMethod, fail, need, read_int
-from loom.models.quant.weight import QuantizedWeight, unpack_int32
+from loom.models.quant.weight import QuantizedWeight, meta_weight, num_groups, unpack_int32
 
 FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what is added to each stored zero point
 
@@ -38,6 +38,11 @@ class Gptq(QuantMethod):
             raise fail("checkpoint_format", f"{fmt!r} is not supported; loom loads {' and '.join(FORMATS)}")
         return cls(bits, group_size(q, "group_size"), bool(q.get("desc_act", False)), bool(q.get("sym", True)),
                    FORMATS[fmt])
+
+    def layout(self, module: str, shape: tuple[int, int], dtype: torch.dtype) -> QuantizedWeight:
+        n = num_groups(shape[1], self.group_size)  # float16 scales; zero points always stored (read as they are)
+        return meta_weight(shape, "int", self.bits, (shape[0], n), torch.float16, zero=True,
+                           group_size=self.group_size, act_order=self.desc_act)
 
     def read(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
         qweight, scales = need(module, tensors, "qweight"), need(module, tensors, "scales")

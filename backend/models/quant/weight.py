@@ -69,6 +69,26 @@ class QuantizedWeight:
             raise ValueError(f"zero points have shape {tuple(self.zero.shape)}, scale {tuple(self.scale.shape)}")
 
 
+def meta_weight(shape: tuple[int, int], kind: str, bits: int, scale_shape: tuple[int, int], scale_dtype: torch.dtype,
+                zero: bool = False, group_size: int | None = None, act_order: bool = False,
+                block: tuple[int, int] | None = None) -> QuantizedWeight:
+    """A QuantizedWeight of this layout on the meta device: what a reader produces for such a checkpoint tensor,
+    without its values (loom.engine.worker.memory_plan counts its bytes)."""
+    out, inp = shape
+    meta = torch.device("meta")
+    weight = torch.empty((out, -(-inp * bits // 32)), dtype=torch.int32, device=meta) if kind == "int" else \
+        torch.empty((out, inp), dtype=torch.float8_e4m3fn, device=meta)
+    return QuantizedWeight(shape=(out, inp), kind=kind, bits=bits, weight=weight,
+                           scale=torch.empty(scale_shape, dtype=scale_dtype, device=meta),
+                           zero=torch.empty(scale_shape, dtype=torch.int32, device=meta) if zero else None,
+                           group_size=group_size, block=block,
+                           g_idx=torch.empty((inp,), dtype=torch.int32, device=meta) if act_order else None)
+
+
+def num_groups(inp: int, group_size: int | None) -> int:
+    return -(-inp // group_size) if group_size else 1
+
+
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned ints [..., n] (each < 2**bits) -> int32 [..., ceil(n * bits / 32)], packed along the last dim."""
     per = 32 // bits
