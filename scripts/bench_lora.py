@@ -40,7 +40,14 @@ per --popularity over the N (adapters unloaded between runs, so each starts cold
 tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
 excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
 adapter was in when its request arrived, load latencies per tier, and step time (the running streams' inter-token
-latency) with and without a read from disk in flight."""
+latency) with and without a read from disk in flight.
+
+Loading beside running streams (--load-during ROUNDS; loom only):
+
+    python scripts/bench_lora.py --load-during 10 [--requests 32] [--steady-steps 6] [--loaders 4611686018427387904 0]
+
+The running streams' inter-token latency (p50 / p99) before, during adapter loads and during first use of an adapter
+read from disk, against the 5% target, per loader (harness/lora_load_during.py)."""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +117,13 @@ def parse_args(argv=None):
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / the one-adapter closed batch's rate")
     ap.add_argument("--weight-files", type=int, default=16, help="distinct weight files behind the N adapters")
     ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
+    ap.add_argument("--load-during", type=int, default=0, metavar="ROUNDS",
+                    help="ROUNDS > 0: the inter-token latency of --requests running streams while adapters load "
+                         "(harness/lora_load_during.py) instead of the scenarios above")
+    ap.add_argument("--steady-steps", type=int, default=6, help="--load-during: plain decode steps per round")
+    ap.add_argument("--loaders", nargs="+", default=[str(1 << 62), "0"],
+                    help="--load-during: lora_load_process_min_bytes of each engine (the default runs the loader "
+                         "thread, then the loader process)")
     ap.add_argument("--json", default="")
     add_vllm_arguments(ap)
     return ap.parse_args(argv)
@@ -223,7 +237,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     root = tempfile.mkdtemp(prefix="loom-bench-adapters-")
     try:
-        (traffic if args.adapters else bench)(args, root)
+        (traffic if args.adapters else load_during if args.load_during else bench)(args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # 33 rank-16 adapters of the default model are ~600 MB
 
@@ -312,6 +326,21 @@ def bench(args, root: str) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def load_during(args, root: str) -> None:
+    """--load-during (harness/lora_load_during.py): step times while adapters load, per loader, and the targets."""
+    from transformers import AutoConfig
+
+    from harness import lora_load_during as ld
+
+    model = args.model or bc.default_model_dir()
+    res = ld.load_during(args, root, AutoConfig.from_pretrained(model), model, write_adapter)
+    text = ld.report(res, args)
+    print(text, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res | {"report": text, "config": vars(args) | {"model": model}, "machine": bc.machine_info()}, f)
 
 
 def write_many_adapters(args, root: str, hf_cfg) -> list[str]:

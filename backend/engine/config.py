@@ -62,6 +62,10 @@ class EngineConfig:
     # those that need rows placed, but one that has waited this many steps goes before everything queued after it.
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32
+    # Adapters whose weights file has at least this many bytes are read and laid out by the engine's loader process
+    # (loom.lora.load_process: off the interpreter and at a low CPU priority, so loads do not slow running streams);
+    # smaller ones on the loader thread (their work is shorter than the process's start).
+    lora_load_process_min_bytes: int = 1 << 20
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
     # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
     # visible GPU from the engine's. LoRA adapters are sharded as their layers (each rank its part of A or B;
@@ -133,6 +137,8 @@ class EngineConfig:
         check(isinstance(self.adapter_cache_dir, str), "adapter_cache_dir", "must be a directory path")
         check(isinstance(self.adapter_cache_bytes, int) and self.adapter_cache_bytes >= 1,
               "adapter_cache_bytes", "must be an integer >= 1")
+        check(isinstance(self.lora_load_process_min_bytes, int) and self.lora_load_process_min_bytes >= 0,
+              "lora_load_process_min_bytes", "must be an integer >= 0 (0 = every adapter through the loader process)")
         check(isinstance(self.max_lora_wait_steps, int) and 0 <= self.max_lora_wait_steps <= 1 << 20,
               "max_lora_wait_steps", f"must be in [0, 1048576] (0 = FCFS), got {self.max_lora_wait_steps!r}")
         tp = self.tensor_parallel_size

@@ -167,7 +167,10 @@ class LLMEngine:
         return self.fatal_error
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to stop without them). No step runs after."""
+        """Stop what the engine started: the adapter loader (thread and process), the tensor-parallel workers. No step
+        runs after."""
+        if self.adapters is not None:
+            self.adapters.close()
         if self.ranks is not None:
             self.ranks.close()
 

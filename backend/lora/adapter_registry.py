@@ -3,7 +3,10 @@ request), its versions' lifecycle and the background loader that reads adapters 
 
 Threading: every public method is meant for the engine's loop thread. A single background thread reads
 adapters from disk into host memory; it takes the registry lock only to publish the result (and does no
-device work), so the loop thread never waits for disk I/O.
+device work), so the loop thread never waits for disk I/O. Adapters of lora_load_process_min_bytes or more it hands to
+the loader process (loom.lora.load_process), which reads, checks and lays them out off the engine's interpreter and
+cores; it only maps the result. Fetches from adapter sources run on fetcher threads of their own, so a slow source
+holds up only the adapters fetched from it.
 
 Lifecycle of a version (one per load/reload of a name; `version` is unique per version):
   loading -> host (weights in host memory) <-> device (rows in the pools; keeps its host copy) -> ...
@@ -13,10 +16,10 @@ Lifecycle of a version (one per load/reload of a name; `version` is unique per v
 
 Adapters not on local disk (loom.lora.adapter_sources says how a request names one): with adapter_sources set, a
 name missing from the adapter roots, or a `lora_path` URI under a source, makes a version whose config is not known
-yet; the loader thread looks it up, fetches it into the local cache (once: later reads, and other versions, find it
-there; a reload fetches afresh), reads its config and weights, and publishes it or its error as for a local one
-(a request then fails with "lora_name: <why>"). A version dropped from host memory is read from the cache again,
-fetched again if the cache dropped it.
+yet; a fetcher thread looks it up, fetches it into the local cache (once: later reads, and other versions, find it
+there; a reload fetches afresh) and reads its config, the loader its weights; either publishes it or its error as
+for a local one (a request then fails with "lora_name: <why>"). A version dropped from host memory is read from the
+cache again, fetched again if the cache dropped it.
 
 Request flow (engine):
   ref = reg.acquire(name)           # at add_request; RequestError("lora_name", ...) if unknown/bad; starts the
@@ -52,12 +55,15 @@ from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.adapter_sources import AdapterSources, is_uri
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
 from loom.lora.batch_meta import build_lora_meta
+from loom.lora.load_process import LoaderProcess
 from loom.lora.lora_pool import LoraPool
 from loom.lora.lora_stats import DISK_TO_HOST, HOST_TO_DEVICE, REMOTE_TO_HOST, LoadLog, LoraStats
 from loom.lora.model_spec import EXPERT_PROJS
 from loom.lora.peft_loader import (
+    WEIGHTS_NAME,
     AdapterConfigInfo,
     AdapterLoadError,
+    AdapterWeights,
     LoraModelSpec,
     load_peft_adapter,
     read_adapter_config,
@@ -67,6 +73,9 @@ from loom.lora.residency import RowResidency
 
 __all__ = ["DENSE", "EXPERT", "SPACE_FIELDS", "SPACE_NAMES", "AdapterRef", "AdapterRegistry", "AdapterVersion",
            "build_lora_meta"]
+
+
+_FETCH_THREADS = 4  # adapters fetched from the sources at once
 
 
 def _loader_thread(device: torch.device) -> None:
@@ -99,9 +108,15 @@ class AdapterRegistry:
         # its CPU ops serial, so that it never opens a second OpenMP team beside the engine's (cpu_ext.serial_thread)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load",
                                             initializer=_loader_thread, initargs=(self.device,))
+        # adapters of at least lora_load_process_min_bytes are read in a process (loom.lora.load_process), started
+        # at the first such load
+        self._process = LoaderProcess(self.spec, dtype, self.max_lora_rank)
         self.num_disk_loads = 0
         self.sources = (AdapterSources(config.adapter_sources, config.adapter_cache_dir, config.adapter_cache_bytes)
                         if config.adapter_sources else None)
+        # fetches from the sources on threads of their own: a slow source never holds up the reads of other adapters
+        self._fetcher = (ThreadPoolExecutor(max_workers=_FETCH_THREADS, thread_name_prefix="loom-lora-fetch")
+                         if self.sources is not None else None)
         self.load_log = LoadLog()
 
     # ------------------------------------------------------------------ properties
@@ -141,8 +156,17 @@ class AdapterRegistry:
             return sum(1 for v in self._versions if v.resident)
 
     def close(self) -> None:
+        """Stop the loader thread, the loader process and the copier (idempotent)."""
+        if self._fetcher is not None:  # a fetch still running publishes its version's error (no loader to read it)
+            self._fetcher.shutdown(wait=False, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._process.close()
         self.residency.close()
+
+    @property
+    def loader_pid(self) -> int | None:
+        """The loader process's pid while it runs (tests, health)."""
+        return self._process.pid
 
     # ------------------------------------------------------------------ management API
 
@@ -416,34 +440,52 @@ class AdapterRegistry:
         v.loading = True
         fut: Future = Future()
         v.future = fut
-        self._executor.submit(self._load_job, v, fut)
+        if v.source or not v.path:  # fetched first (its own threads), then read on the loader thread
+            self._fetcher.submit(self._fetch_job, v, fut, time.perf_counter())
+        else:
+            self._executor.submit(self._load_job, v, fut, time.perf_counter())
         return fut
 
-    def _fetch(self, v: AdapterVersion) -> tuple[str, str, AdapterConfigInfo, bool]:
-        """Loader thread: (source URI, local folder, config, transferred) of a version to read from the adapter
-        sources; the config checked as a local adapter's is at load."""
-        source = v.source or self.sources.find(v.name)
-        fetches = self.sources.cache.fetches  # the loader is the cache's only user in this process
-        path = self.sources.fetch(source, refresh=v.pending_kind == "reload")
-        cfg = v.config if v.config is not None else self._read_config(path, v.name, "lora_path")[0]
-        return source, path, cfg, self.sources.cache.fetches != fetches
-
-    def _load_job(self, v: AdapterVersion, fut: Future) -> None:
-        w, err = None, None
-        t0 = time.perf_counter()
-        source, path, cfg, tier = v.source, v.path, v.config, DISK_TO_HOST
+    def _fetch_job(self, v: AdapterVersion, fut: Future, t0: float) -> None:
+        """Fetcher thread: the version's files into the local cache (config read and checked as a local adapter's is
+        at load), then its read queued on the loader thread."""
         try:
-            if v.source or not v.path:
-                source, path, cfg, fetched = self._fetch(v)
-                tier = REMOTE_TO_HOST if fetched else DISK_TO_HOST
-            w = load_peft_adapter(path, v.name, self.spec, self.dtype, self.max_lora_rank,
-                                  config=cfg, pin_memory=self._pin)
-        except AdapterLoadError as e:
-            err = str(e)
-        except RequestError as e:  # a fetched adapter's config or URI refused as a local one's would be
-            err = str(e).removeprefix(f"{e.field}: ")
+            source = v.source or self.sources.find(v.name)
+            cached = os.path.isdir(self.sources.cache.path_of(source)) and v.pending_kind != "reload"
+            path = self.sources.fetch(source, refresh=v.pending_kind == "reload")
+            cfg = v.config if v.config is not None else self._read_config(path, v.name, "lora_path")[0]
+            self._executor.submit(self._load_job, v, fut, t0, (source, path, cfg,
+                                                               DISK_TO_HOST if cached else REMOTE_TO_HOST))
+        except Exception as e:  # noqa: BLE001 - AdapterLoadError, RequestError, any filesystem's, a closed loader
+            self._publish(v, fut, None, _load_error(v.name, e), v.source, v.path, v.config, REMOTE_TO_HOST, t0)
+
+    def _read_weights(self, path: str, name: str, cfg: AdapterConfigInfo) -> AdapterWeights:
+        """Loader thread: an adapter's host weights, read and laid out by loom.lora.peft_loader.load_peft_adapter; in
+        the loader process when its weights file has at least lora_load_process_min_bytes (the engine's interpreter
+        and cores stay free for the steps), else here."""
+        try:
+            size = os.path.getsize(os.path.join(path, WEIGHTS_NAME))
+        except OSError:
+            size = 0  # load_peft_adapter reports it
+        if size and size >= self.config.lora_load_process_min_bytes:
+            w = self._process.load(path, name, cfg)
+            return w.pin_memory() if self._pin else w
+        return load_peft_adapter(path, name, self.spec, self.dtype, self.max_lora_rank, config=cfg,
+                                 pin_memory=self._pin)
+
+    def _load_job(self, v: AdapterVersion, fut: Future, t0: float, fetched: tuple | None = None) -> None:
+        """Loader thread: read the version's weights (fetched: where _fetch_job put them) and publish them."""
+        source, path, cfg, tier = fetched if fetched is not None else (v.source, v.path, v.config, DISK_TO_HOST)
+        w, err = None, None
+        try:
+            w = self._read_weights(path, v.name, cfg)
         except Exception as e:  # noqa: BLE001 - report, never kill the loader thread
-            err = f"adapter {v.name!r}: unexpected error while loading: {e!r}"
+            err = _load_error(v.name, e)
+        self._publish(v, fut, w, err, source, path, cfg, tier, t0)
+
+    def _publish(self, v: AdapterVersion, fut: Future, w: AdapterWeights | None, err: str | None, source: str,
+                 path: str, cfg: AdapterConfigInfo | None, tier: str, t0: float) -> None:
+        """A load's end: the version's weights, or its error, made visible to the engine (under the lock)."""
         with self._cond:
             if err is None and v.content_hash and w.content_hash != v.content_hash:
                 err = (f"adapter {v.name!r}: its files {f'at {source}' if source else f'in {path}'} changed on disk "
@@ -506,3 +548,11 @@ class AdapterRegistry:
             "stale": v.stale,
         }
 
+
+def _load_error(name: str, e: Exception) -> str:
+    """The message a failed load publishes (the request then fails with "lora_name: <it>")."""
+    if isinstance(e, AdapterLoadError):
+        return str(e)
+    if isinstance(e, RequestError):  # a fetched adapter's config or URI refused as a local one's would be
+        return str(e).removeprefix(f"{e.field}: ")
+    return f"adapter {name!r}: unexpected error while loading: {e!r}"

@@ -14,24 +14,22 @@ Stale versions (unloaded or replaced) are freed here once no request holds them.
 
 Eviction takes the least recently used unpinned holder, those no request holds first (an adapter a queued request
 holds is needed again soon). Placing ahead of use (the registry's prefetch) evicts only holders no request holds.
-Rows are written off the step's path, so that a placement ahead of use overlaps the steps: on CUDA on a copy stream
-(after the work already queued, which may still read rows just freed), on the CPU by a helper thread; `sync` makes a
-version's copy complete before a step reads its rows (the registry calls it at activation), and rows are never moved
-(compaction) while a copy is in flight.
+Rows are written off the step's path (loom.lora.row_copies), so that a placement ahead of use overlaps the steps: on
+CUDA on a copy stream (after the work already queued, which may still read rows just freed) with an event the step
+waits on, on the CPU by a helper thread; `sync` makes a version's copy complete before a step reads its rows (the
+registry calls it at activation), and rows are never moved (compaction) while a copy is in flight.
 
 Not thread-safe by itself: the registry calls every method under its lock, on the engine's loop thread or (to
 publish a load) on the loader thread.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
-from loom.kernels.cpu_ext import serial_thread
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, AdapterVersion
 from loom.lora.lora_pool import LoraPool, make_pools
 from loom.lora.model_spec import LoraModelSpec
+from loom.lora.row_copies import RowCopies
 from loom.lora.tp_pools import PeerLog
 
 
@@ -55,17 +53,11 @@ class RowResidency:
         self.evictions = [0, 0]  # per space
         self.compactions = [0, 0]
         self.host_evictions = 0  # host copies dropped by trim_host
-        cuda = torch.device(device).type == "cuda"
         self.device = torch.device(device)
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        # the CPU copier's ops serial: it must not open a second OpenMP team beside the engine's (cpu_ext.serial_thread)
-        self._copier = None if cuda else ThreadPoolExecutor(1, thread_name_prefix="loom-lora-copy",
-                                                            initializer=serial_thread)
-        self._copies: dict[AdapterVersion, Future | torch.cuda.Event] = {}  # copies in flight, the latest per version
+        self.copies = RowCopies(self.device)  # copies in flight and their order against the steps
 
     def close(self) -> None:
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
+        self.copies.close()
 
     def room_error(self, name: str, ranks: list[int]) -> str | None:
         """Why rows of these ranks can never fit their spaces, naming the config field to raise; None if they can."""
@@ -99,33 +91,13 @@ class RowResidency:
     def sync(self, v: AdapterVersion) -> None:
         """v's rows written before the next step reads them (CUDA: that step's work waits on the device, the host does
         not; CPU: the copier is done with them)."""
-        copy = self._copies.pop(v, None)
-        if isinstance(copy, Future):
-            copy.result()
-        elif copy is not None:
-            torch.cuda.current_stream(self.device).wait_event(copy)
+        self.copies.sync(v)
 
     def _write(self, v: AdapterVersion, space: int, start: int) -> None:
-        pool = self.pools[space]
+        pool, host = self.pools[space], v.host
         if self.peer_log is not None:
-            self.peer_log.write(space, start, v.ranks[space], v.host, v.version)
-        if self._copy_stream is None:  # one worker: copies run in order, so the latest marks the version's end
-            self._copies[v] = self._copier.submit(pool.write, start, v.host)
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # freed rows: steps queued may read
-        with torch.cuda.stream(self._copy_stream):
-            pool.write(start, v.host)
-            done = torch.cuda.Event()
-            done.record()
-        self._copies[v] = done
-
-    def _drain(self) -> None:
-        """Every copy in flight complete (before rows move), those of versions evicted since included."""
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-        else:
-            self._copier.submit(int).result()
-        self._copies.clear()
+            self.peer_log.write(space, start, v.ranks[space], host, v.version)
+        self.copies.write(v, lambda: pool.write(start, host))
 
     def maybe_free(self, v: AdapterVersion) -> None:
         """Free a stale version nobody holds (rows + host weights)."""
@@ -135,7 +107,7 @@ class RowResidency:
                     pool.allocator.free(v.rows[space], v.ranks[space])
                     v.rows[space] = -1
             v.host = None
-            self._copies.pop(v, None)  # rows reused later are written after it (in order), moved after _drain
+            self.copies.forget(v)
             self.versions.discard(v)
 
     def host_tier(self) -> list[AdapterVersion]:
@@ -205,7 +177,7 @@ class RowResidency:
     def _compact(self, space: int) -> None:
         """Slide the space's row holders to the front of its pools (rows are read per step, so this is safe
         between steps; meta built afterwards sees the new rows)."""
-        self._drain()
+        self.copies.drain()
         pool, pos = self.pools[space], 0
         for v in sorted((x for x in self.versions if x.rows[space] >= 0), key=lambda x: x.rows[space]):
             if v.rows[space] != pos:

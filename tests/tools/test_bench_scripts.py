@@ -227,6 +227,20 @@ def test_vllm_peer_runs_where_this_repository_is_not_importable(tmp_path, monkey
     assert not seen or Path(seen).resolve().parent != ROOT / "kernels"
 
 
+def test_bench_lora_load_during_smoke(tmp_path):
+    """--load-during at its smallest (one round, the thread loader only: the loader process has its own tests):
+    every phase's row and the two targets."""
+    out = tmp_path / "load.json"
+    p = run_script("bench_lora.py", "--load-during", "1", "--steady-steps", "1", "--requests", "2", "--prompt-len", "4",
+                   "--loaders", str(1 << 62), "--json", str(out))
+    for phase in ("steady", "load", "resident", "first_use"):
+        assert f" {phase} " in p.stdout, p.stdout
+    assert "TARGET thread: ITL p99 during load <= 1.05x" in p.stdout
+    assert "TARGET thread: ITL p99 during first use <= 1.05x" in p.stdout
+    ms = json.loads(out.read_text())["engines"]["thread"]["ms"]
+    assert all(ms[phase]["n"] >= 1 for phase in ("steady", "load", "resident", "first_use"))
+
+
 # ---- bench_lora_floor -------------------------------------------------------------------------------
 
 def test_bench_lora_floor_smoke(tmp_path):
