@@ -338,10 +338,13 @@ def report(res: dict, args) -> str:
             tp = bc.ratio(r["tokens_per_s"], base["tokens_per_s"])
             lat = bc.ratio(r["latency"]["mean"], base["latency"]["mean"])
             ag = r.get("agreement_vs_ref") or {"identical": 0, "total": 0}
-            ok = tp >= 1.2 and lat < 1.0 and ag["identical"] == ag["total"]
+            # token identity is asked of float32 only: two 16-bit implementations round at different places
+            exact = r.get("dtype") == "float32" and args.dtype == "float32"  # args.dtype: the peers' dtype
+            ok = tp >= 1.2 and lat < 1.0 and (ag["identical"] == ag["total"] or not exact)
+            same_tokens = (f"greedy tokens identical {ag['identical']}/{ag['total']}" if exact else
+                           f"greedy tokens identical {ag['identical']}/{ag['total']} (not asked in 16-bit)")
             lines.append(f"TARGET loom with {t} compute thread(s) ({top}): {tp:.2f}x vLLM's tokens/s (>= 1.2), "
-                         f"mean latency {lat:.2f}x (< 1), greedy tokens identical {ag['identical']}/{ag['total']}: "
-                         f"{'met' if ok else 'NOT met'}")
+                         f"mean latency {lat:.2f}x (< 1), {same_tokens}: {'met' if ok else 'NOT met'}")
             same = setting_name({k: sysres[k] for k in _vllm_names(sysres)}, t)
             if same is not None:  # the same comparison against vLLM computing on as many threads as loom
                 v = sysres[same]
