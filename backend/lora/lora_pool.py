@@ -114,9 +114,11 @@ class LoraPool:
             for g in spec.groups:
                 lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
                 k, n = g.held_in_features, g.held_out_features
-                # on the CPU on huge pages: a decode step with many adapters reads rows all over them
-                self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, row(k)), dtype, self.device)[..., :k]
-                self.b[g.name] = large_zeros((*lead, self.capacity, row(n)), dtype, self.device)[..., :n]
+                # on the CPU on huge pages (a decode step with many adapters reads rows all over them), mapped as
+                # rows are written: a pool costs memory and start-up time for what is loaded, not for its capacity
+                self.a[g.name] = large_zeros((*lead, g.num_slices, self.capacity, row(k)), dtype, self.device,
+                                             touch=False)[..., :k]
+                self.b[g.name] = large_zeros((*lead, self.capacity, row(n)), dtype, self.device, touch=False)[..., :n]
 
     @staticmethod
     def row_bytes_for(spec: LoraModelSpec, dtype: torch.dtype, device: torch.device) -> int:
