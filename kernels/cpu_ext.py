@@ -58,6 +58,7 @@ _SIGNATURES = {
     "loom_silu_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "loom_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _I32],
     "loom_moe_experts": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I32],
+    "loom_moe_experts_bf16": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _P, _I32],
     "loom_argmax": [_P, _I64, _I64, _I64, _P, _I32],
     "loom_gemm_pack": [_P, _I64, _I64, _P],
     "loom_gemm_panel_width": [],

@@ -5,8 +5,9 @@ scale by the routing weight, add into float32 sums in expert order - in one C++ 
 expert's GEMMs on panels packed once instead of torch's matmul, which re-packs the weight at every call (a decode
 step's few tokens per expert: 24 layers of 8 experts (hidden 576, 2 x 768), 32 tokens, top-2, the project's 2-core
 EPYC: 144 -> 57 ms on one thread, 103 -> 43-51 on two, the loop still in Python; in C++, a Mixtral-shaped model's
-decode step a further 10-20% shorter). Float32 only; the same sums in the same order, so within rounding of the
-reference.
+decode step a further 10-20% shorter). The same sums in the same order, so within rounding of the reference. A
+bfloat16 model on a CPU with avx512_bf16 takes PackedExpertsBf16 (loom's VDPBF16PS GEMM; a decode step's experts of
+that shape, 32 tokens, top-2, on the loaded 2-core VM: 182 -> 80 ms against fused_moe_ref's oneDNN matmuls).
 """
 from __future__ import annotations
 
@@ -58,3 +59,35 @@ class PackedExperts:
                                       ids.data_ptr(), K, out.data_ptr(), BLOCK_ABOVE_BYTES, block_rows(H),
                                       block_rows(two_i // 2), cpu_ext.nthreads())
         return out
+
+
+class PackedExpertsBf16:
+    """The experts of a bfloat16 model on a CPU with avx512_bf16: each expert's gate|up and down packed once into the
+    VDPBF16PS panels of kernels/cpu_linear.PackedBf16, run by one C++ call (kernels/csrc/moe.cpp) that rounds where
+    fused_moe_ref's bfloat16 matmuls round (each GEMM's output, the SiLU-and-mul) and sums in float32. oneDNN's
+    bfloat16 matmul, which the reference calls per expert, re-lays the weight out at every call."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        from loom.kernels.cpu_linear import PackedBf16
+
+        self.w13, self.w2 = w13, w2
+        E = w13.shape[0]
+        self.gate_up = [PackedBf16(w13[e]) for e in range(E)]
+        self.down = [PackedBf16(w2[e]) for e in range(E)]
+        self.lib = self.gate_up[0].lib
+        pointers = ctypes.c_void_p * E
+        self._p13 = pointers(*(p.panels.data_ptr() for p in self.gate_up))
+        self._p2 = pointers(*(p.panels.data_ptr() for p in self.down))
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2:
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        x = x.contiguous()
+        w = cpu_ext.contiguous(topk_weights, torch.float32)
+        ids = cpu_ext.contiguous(topk_ids, torch.int64)
+        (T, H), (E, two_i, _), K = x.shape, self.w13.shape, ids.shape[1]
+        out = torch.empty((T, H), dtype=torch.float32)
+        if T:
+            self.lib.loom_moe_experts_bf16(x.data_ptr(), T, H, two_i // 2, E, self._p13, self._p2, w.data_ptr(),
+                                           ids.data_ptr(), K, out.data_ptr(), cpu_ext.nthreads())
+        return out.to(torch.bfloat16)

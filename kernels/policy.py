@@ -61,8 +61,9 @@ class KernelPath:
 
     @property
     def packed_experts(self) -> bool:
-        """MoE experts over packed weights (kernels/cpu_moe.py); Triton forced, fused_moe's kernel runs them."""
-        return self.gemm == GEMM_LOOM and self.ops == CPU
+        """MoE experts over packed weights (kernels/cpu_moe.py: float32, or bfloat16 on loom's bfloat16 GEMM); Triton
+        forced, fused_moe's kernel runs them."""
+        return self.gemm in (GEMM_LOOM, GEMM_LOOM_BF16) and self.ops == CPU
 
     def describe(self, dtype: torch.dtype) -> str:
         """One line for the engine's start: which path runs and why."""

@@ -97,3 +97,31 @@ def test_policy_picks_the_bf16_gemm(monkeypatch):
     assert policy.decide("cpu", BF16).gemm == policy.GEMM_ONEDNN
     assert policy.decide("cpu", BF16, compiled=True).gemm == ""
     assert policy.decide("cpu", torch.float32).gemm == policy.GEMM_LOOM
+
+
+@pytest.mark.usefixtures("needs_bf16")
+@pytest.mark.parametrize("T,K", [(1, 2), (7, 2), (33, 3)])
+def test_moe_experts_bf16_round_where_the_reference_rounds(T, K):
+    """kernels/cpu_moe.PackedExpertsBf16 (one C++ call): fused_moe_ref's loop - gather an expert's tokens, gate|up,
+    SiLU-and-mul, down, each rounded to bfloat16, weighted sums in float32 in pair order - with the GEMMs on loom's
+    bfloat16 kernel (checked against float64 above). The same loop written here in PyTorch around PackedBf16 must give
+    the same bits: experts without tokens, a token routed twice to one expert, one token or many."""
+    from loom.kernels.cpu_moe import PackedExpertsBf16
+    from loom.kernels.moe import _silu_mul
+
+    torch.manual_seed(T * 10 + K)
+    E, H, I = 6, 80, 56
+    w13, w2 = (torch.randn(E, 2 * I, H) / 8).to(BF16), (torch.randn(E, H, I) / 8).to(BF16)
+    x = torch.randn(T, H).to(BF16)
+    ids = torch.randint(0, E - 1, (T, K))  # expert E-1 gets no token
+    ids[0, 1] = ids[0, 0]  # the first token twice on one expert
+    w = torch.rand(T, K)
+    moe = PackedExpertsBf16(w13, w2)
+    got = moe(x, w, ids)
+    want = torch.zeros(T, H)
+    for e in range(E):
+        pairs = (ids.reshape(-1) == e).nonzero().flatten()  # increasing pair order, as the reference's stable sort
+        if pairs.numel():
+            h = _silu_mul(moe.gate_up[e](x[pairs // K]), I)
+            want.index_add_(0, pairs // K, moe.down[e](h).float() * w.reshape(-1)[pairs, None])
+    assert got.dtype == BF16 and torch.equal(got, want.to(BF16))

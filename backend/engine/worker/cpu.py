@@ -124,7 +124,8 @@ def apply_path(model: nn.Module, path) -> None:
     if path.gemm == GEMM_ONEDNN:
         n, how = pack_linear_weights_bf16(model, loom=False), "oneDNN's prepacked bfloat16 layout"
     elif path.gemm == GEMM_LOOM_BF16:
-        n, how = pack_linear_weights_bf16(model, loom=True), "loom's bfloat16 GEMM (VDPBF16PS panels)"
+        n, how = pack_linear_weights_bf16(model, loom=True, experts=path.packed_experts), \
+            "loom's bfloat16 GEMM (VDPBF16PS panels)"
     else:
         n, how = pack_linear_weights(model, experts=path.packed_experts), "the C++ GEMM's panels"
     log.info("packed %d linear layers' weights for %s in %.2fs", n, how, time.perf_counter() - t)
@@ -171,18 +172,25 @@ def pack_linear_weights(model: nn.Module, experts: bool = True) -> int:
     return len(mods)
 
 
-def pack_linear_weights_bf16(model: nn.Module, loom: bool) -> int:
+def pack_linear_weights_bf16(model: nn.Module, loom: bool, experts: bool = False) -> int:
     """Route every linear layer of a CPU bfloat16 model through a bfloat16 GEMM over weights re-laid out once here:
     loom's (kernels/cpu_linear.PackedBf16, VDPBF16PS panels) with `loom`, else oneDNN's prepacked one
     (kernels/cpu_linear.PrepackedBf16): LoRALinear via its `dense` hook (its LoRA then runs after it, on the PyTorch
-    path), plain nn.Linear (lm_head, MoE routers) via its forward; MoE experts keep their PyTorch path. Returns how
-    many modules were packed; each holds a second, packed copy of its weights."""
+    path), plain nn.Linear (lm_head, MoE routers) via its forward; MoE experts (with `loom` and `experts`) via their
+    `dense` hook (kernels/cpu_moe.PackedExpertsBf16), else their PyTorch path. Returns how many modules were packed;
+    each holds a second, packed copy of its weights."""
     from loom.kernels.cpu_linear import PackedBf16, PrepackedBf16
+    from loom.kernels.cpu_moe import PackedExpertsBf16
     from loom.layers.linear import LoRALinear
+    from loom.layers.moe import Experts
     from loom.layers.quant_linear import QuantLinear
 
     n = 0
     for mod in model.modules():
+        if loom and experts and isinstance(mod, Experts) and mod.gate_up_proj.dtype == torch.bfloat16:
+            mod.dense = PackedExpertsBf16(mod.gate_up_proj, mod.down_proj)
+            n += 1
+            continue
         if not isinstance(mod, (LoRALinear, nn.Linear)) or isinstance(mod, QuantLinear) or \
                 mod.weight.dtype != torch.bfloat16:
             continue
