@@ -28,8 +28,10 @@ job.json keys (defaults in brackets):
   loras         [null or adapter name per prompt]; warmup_loras [false] also loads them in the warm-up
   runs          [one run with `loras`] several timed batches in one engine: [{"name", "loras", "repeats" [1],
                 "prompts" [the job's], "max_tokens" [the job's], "sequential" [false: all at t0; true: one
-                request after another]}], the best of the repeats kept; warmup "all" first runs every run's batch
-                with 2 tokens (adapters loaded, shapes seen)
+                request after another], "arrivals" [null, else seconds from t0 per request: Poisson traffic,
+                latencies from each arrival]}], the best of the repeats kept; warmup "all" first runs every run's
+                batch with 2 tokens (adapters loaded, shapes seen)
+  max_cpu_loras [vLLM's default] adapters its CPU cache holds (with enable_lora)
   speculative_config [null] vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
@@ -91,15 +93,25 @@ def _lora_request(name, ids, adapters):
     return LoRARequest(name, ids[name], adapters[name]) if name else None
 
 
-async def timed_batch(engine, label, prompts, max_tokens, lora_reqs, sequential=False):
-    """All prompts at t0 (or one after another: latencies from each request's own start); the prefix cache is reset
-    first so nothing of an earlier batch is a cache hit."""
+async def arrive(engine, rid, prompt_ids, max_tokens, lora, t0, at):
+    """run_one for a request that arrives `at` seconds after t0: its latencies from its arrival."""
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    return await run_one(engine, rid, prompt_ids, max_tokens, lora, t0 + at) | {"arrival_s": at}
+
+
+async def timed_batch(engine, label, prompts, max_tokens, lora_reqs, sequential=False, arrivals=None):
+    """All prompts at t0 (or one after another: latencies from each request's own start; or each at its time in
+    `arrivals`, seconds from t0: latencies from its arrival); the prefix cache is reset first so nothing of an
+    earlier batch is a cache hit."""
     await engine.reset_prefix_cache()
     items = list(enumerate(zip(prompts, max_tokens, lora_reqs)))
     with CpuMeter() as meter:  # this process and vLLM's engine-core process, and the rest of the machine
         t0 = time.perf_counter()
         if sequential:
             reqs = [await run_one(engine, f"{label}-{i}", p, m, lr, time.perf_counter()) for i, (p, m, lr) in items]
+        elif arrivals is not None:
+            reqs = await asyncio.gather(*(arrive(engine, f"{label}-{i}", p, m, lr, t0, arrivals[i])
+                                          for i, (p, m, lr) in items))
         else:
             reqs = await asyncio.gather(*(run_one(engine, f"{label}-{i}", p, m, lr, t0) for i, (p, m, lr) in items))
         wall_s = time.perf_counter() - t0
@@ -141,6 +153,8 @@ async def main(job):
                 print("vllm_peer: WARNING max_loras < adapters: no-adapter outputs may carry an adapter's delta",
                       file=sys.stderr)
         kw.update(enable_lora=True, max_lora_rank=job.get("max_lora_rank", 16), max_loras=max_loras)
+        if job.get("max_cpu_loras"):
+            kw["max_cpu_loras"] = max(max_loras, int(job["max_cpu_loras"]))
 
     t = time.perf_counter()
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
@@ -163,7 +177,8 @@ async def main(job):
         for run in runs:  # the best of `repeats` timed batches
             for rep in range(int(run.get("repeats", 1))):
                 r = await timed_batch(engine, f"{run['name']}-{rep}", run.get("prompts") or prompts,
-                                      run["max_tokens_list"], run["lora_reqs"], bool(run.get("sequential")))
+                                      run["max_tokens_list"], run["lora_reqs"], bool(run.get("sequential")),
+                                      run.get("arrivals"))
                 if run["name"] not in results or r["tokens_per_s"] > results[run["name"]]["tokens_per_s"]:
                     results[run["name"]] = r
     finally:
