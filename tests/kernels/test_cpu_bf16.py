@@ -184,7 +184,10 @@ def test_decode_equals_prefill_bitwise():
 def test_policy_takes_bf16_on_cpu():
     """bfloat16 is a dtype of the C++ path (policy's dtype dimension); float16 stays on the references."""
     path = policy.decide("cpu", BF16)
-    assert path.ops == policy.CPU and not path.packed_experts
+    assert path.ops == policy.CPU
+    # MoE experts go over packed bfloat16 panels exactly when loom's bfloat16 GEMM runs the dense layers (oneDNN's
+    # prepacked weights have no experts form: fused_moe_ref's matmuls run them)
+    assert path.packed_experts == (path.gemm == policy.GEMM_LOOM_BF16)
     assert path.layer_pass == (path.gemm == policy.GEMM_LOOM_BF16)  # the one-call layer needs loom's GEMM
     assert policy.decide("cpu", torch.float16).ops == policy.REFERENCE
     assert policy.decide("cpu", BF16, compiled=True).gemm == ""  # a compiled forward: inductor's own GEMMs
