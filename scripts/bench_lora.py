@@ -26,7 +26,7 @@ and the report prints the best distinct / no-LoRA ratio that rate allows when ev
 rows once per decode step (harness/adapter_cost.py): how far the distinct run is from what memory bandwidth permits
 on this machine.
 
-Many adapters under traffic (--adapters N; loom only):
+Many adapters under traffic (--adapters N; with --vllm-python, vLLM too):
 
     python scripts/bench_lora.py --adapters 1000 --popularity zipf:1.0 uniform [--device-adapters 64]
                                  [--host-adapters 256] [--arrivals 192] [--load 0.9] [--weight-files 16]
@@ -40,7 +40,11 @@ per --popularity over the N (adapters unloaded between runs, so each starts cold
 tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
 excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
 adapter was in when its request arrived, load latencies per tier, and step time (the running streams' inter-token
-latency) with and without a read from disk in flight.
+latency) with and without a read from disk in flight. With --vllm-python, vLLM's CPU build then runs the same
+requests at the same arrival times, run by run, each run's adapters in one engine per --vllm-threads setting with
+max_loras = --device-adapters and max_cpu_loras = --host-adapters (warmed on the base model only, so its runs start
+cold too): its tokens/s, its ratio to its own one-adapter run and its time to first token (from arrival, as loom's
+queue ms) by popularity decile.
 
 Loading beside running streams (--load-during ROUNDS; loom only):
 
@@ -356,6 +360,20 @@ def write_many_adapters(args, root: str, hf_cfg) -> list[str]:
     return names
 
 
+def run_vllm_traffic(args, model: str, root: str, dtype: str, names: list[str], prompts, arrivals,
+                     loom_runs: dict) -> dict:
+    """vLLM's CPU build on loom's requests: the same prompts, adapters and arrival times run by run, its max_loras and
+    max_cpu_loras at loom's device rows and host tier (vLLM has no cap by bytes). -> {setting: result or error}."""
+    runs = [{"name": pop, "loras": [names[k] for k in run["ranks"]], "arrivals": arrivals}
+            for pop, run in loom_runs.items()]
+    used = sorted({name for run in runs for name in run["loras"]})
+    job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype, "kv_cache_gib": 1,
+           "enable_lora": True, "adapters": {name: os.path.join(root, name) for name in used},
+           "max_lora_rank": max(16, args.rank), "max_loras": args.device_adapters,
+           "max_cpu_loras": args.host_adapters, "runs": runs, "warmup": True}  # warm-up on the base: runs start cold
+    return run_vllm_settings(args, job, bc.progress, "vllm")
+
+
 def traffic(args, root: str) -> None:
     """The many-adapter benchmark (module docstring): one engine, a closed batch for the rate, then Poisson runs."""
     import random
@@ -411,6 +429,9 @@ def traffic(args, root: str) -> None:
         results["runs"][pop] = run
         bc.progress(f"{pop}: {run['tokens'] / run['wall_s']:.1f} tok/s, {run['evictions']} evictions")
     reg.close()
+    if args.vllm_python:
+        dtype = str(eng.runner.dtype).removeprefix("torch.")
+        results["vllm"] = run_vllm_traffic(args, model, root, dtype, names, prompts, arrivals, results["runs"])
     text = traffic_report(results, args)
     print(text, flush=True)
     if args.json:

@@ -180,6 +180,46 @@ def traffic_report(results: dict, args) -> str:
     lines.append(bc.table(["run", "what", "n", "p50 ms", "p99 ms"], firsts))
     lines.append("decode-only steps (the running streams' inter-token latency; steps with a prompt left out):")
     lines.append(bc.table(["run", "steps", "n", "mean batch", "p50 ms", "p99 ms"], itl))
+    lines += vllm_traffic_lines(results.get("vllm") or {}, runs, args.adapters, checks)
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
+
+
+def vllm_traffic_lines(vllm: dict, runs: dict, n_adapters: int, checks: list) -> list[str]:
+    """vLLM's rows beside loom's for the same traffic (bench_lora.run_vllm_traffic): tokens/s and its ratio to its own
+    one-adapter run, time to first token from arrival (loom's "queue ms" above is the same measure) overall and by
+    popularity decile; a TARGET per popularity run: loom's tokens/s above vLLM's best setting."""
+    if not vllm:
+        return []
+    lines, rows, deciles = [], [], []
+    for setting, res in vllm.items():
+        if "error" in res:
+            lines.append(f"{setting}: FAILED ({res['error'].splitlines()[0]})")
+            continue
+        base = res["runs"]["one adapter"]["tokens_per_s"]
+        for pop, r in res["runs"].items():
+            ttft = [1000 * q["ttft_s"] for q in r["requests"]]
+            rows.append([setting, pop, r["tokens_per_s"], bc.ratio(r["tokens_per_s"], base), bc.percentile(ttft, 50),
+                         bc.percentile(ttft, 99)])
+            if pop == "one adapter":
+                continue
+            for d in range(10):
+                sel = [ttft[i] for i, k in enumerate(runs[pop]["ranks"]) if k * 10 // n_adapters == d]
+                deciles.append([setting, pop, d + 1, len(sel), bc.percentile(sel, 99)])
+    ok = {k: v for k, v in vllm.items() if "error" not in v}
+    if rows:
+        lines.append(f"vLLM {next(iter(ok.values())).get('vllm_version', '')} on the same requests and arrivals "
+                     f"(max_loras = device rows, max_cpu_loras = host tier):")
+        lines.append(bc.table(["vllm", "run", "tok/s", "ratio", "TTFT p50 ms", "TTFT p99 ms"], rows, digits=2))
+        lines.append("vLLM time to first token by popularity decile:")
+        lines.append(bc.table(["vllm", "run", "decile", "requests", "TTFT p99 ms"], deciles))
+    for pop, run in runs.items():
+        if not ok:
+            break
+        tps = run["tokens"] / run["wall_s"]
+        best = max(ok, key=lambda k: ok[k]["runs"][pop]["tokens_per_s"])
+        vt = ok[best]["runs"][pop]["tokens_per_s"]
+        checks.append((f"{pop}: loom tokens/s above vLLM's ({best})", tps > vt, f"{tps:.1f} vs {vt:.1f} tok/s "
+                       f"({bc.ratio(tps, vt):.2f}x)"))
+    return lines

@@ -151,6 +151,36 @@ def test_bench_lora_many_adapters_smoke(tmp_path):
     assert all(r["tokens"] == 8 * 3 for r in runs.values())
 
 
+def test_traffic_report_sets_vllm_beside_loom_run_by_run():
+    """vLLM on the same traffic: its ratio to its own one-adapter run, TTFT by the popularity decile of each request's
+    adapter (from loom's ranks), a failed setting reported, and loom's tokens/s against vLLM's best setting."""
+    from harness.lora_report import vllm_traffic_lines
+
+    def vrun(tps, ttfts):
+        return {"tokens_per_s": tps, "requests": [{"ttft_s": t} for t in ttfts]}
+
+    runs = {"one adapter": {"tokens": 40, "wall_s": 1.0, "ranks": [0] * 4},  # loom: 40 and 30 tok/s
+            "zipf:1.0": {"tokens": 30, "wall_s": 1.0, "ranks": [0, 0, 5, 9]}}
+    vllm = {"vllm auto": {"vllm_version": "0.32.0", "runs": {"one adapter": vrun(20.0, [0.1] * 4),
+                                                             "zipf:1.0": vrun(10.0, [0.1, 0.2, 0.5, 0.9])}},
+            "vllm 0,1": {"vllm_version": "0.32.0", "runs": {"one adapter": vrun(25.0, [0.1] * 4),
+                                                            "zipf:1.0": vrun(35.0, [0.1] * 4)}},
+            "vllm 0": {"error": "boom\nmore"}}
+    checks: list = []
+    text = "\n".join(vllm_traffic_lines(vllm, runs, 10, checks))
+    assert "vllm 0: FAILED (boom)" in text
+    rows = {tuple(ln.split()[:4]): ln.split()[4:] for ln in text.splitlines() if ln.startswith("vllm auto")}
+    assert rows[("vllm", "auto", "zipf:1.0", "10.00")][0] == "0.50"  # 10 / 20 tok/s: its own one-adapter ratio
+    # deciles of 10 adapters (from loom's ranks): ad0 twice in decile 1, ad5 alone in decile 6, ad9 in decile 10
+    assert rows[("vllm", "auto", "zipf:1.0", "1")] == ["2", "199.00"]
+    assert rows[("vllm", "auto", "zipf:1.0", "6")] == ["1", "500.00"]
+    assert rows[("vllm", "auto", "zipf:1.0", "10")] == ["1", "900.00"]
+    verdict = {what: ok for what, ok, _ in checks}
+    assert verdict == {"one adapter: loom tokens/s above vLLM's (vllm 0,1)": True,  # 40 > 25
+                       "zipf:1.0: loom tokens/s above vLLM's (vllm 0,1)": False}  # 30 < 35
+    assert vllm_traffic_lines({}, runs, 10, []) == []
+
+
 def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     """Each loom thread count is set against the vLLM setting computing on as many threads; the no-LoRA target takes
     loom's best against vLLM's best; token agreement covers every loom row."""
