@@ -30,6 +30,7 @@ Many adapters under traffic (--adapters N; with --vllm-python, vLLM too):
 
     python scripts/bench_lora.py --adapters 1000 --popularity zipf:1.0 uniform [--device-adapters 64]
                                  [--host-adapters 256] [--arrivals 192] [--load 0.9] [--weight-files 16]
+                                 [--shift-at 0.5 [--window-s 2]]
 
 N rank-16 adapters (names ad0 .. ad{N-1}, ad0 the most popular) whose weights are --weight-files distinct random files
 hard-linked into the N folders (1000 distinct files of the default model would be ~20 GB; the engine reads each name
@@ -40,7 +41,10 @@ per --popularity over the N (adapters unloaded between runs, so each starts cold
 tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
 excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
 adapter was in when its request arrived, load latencies per tier, and step time (the running streams' inter-token
-latency) with and without a read from disk in flight. With --vllm-python, vLLM's CPU build then runs the same
+latency) with and without a read from disk in flight. --shift-at F moves the popularity to other adapters from request
+F x --arrivals on (adapter k's share goes to k + N/2: a hot set nobody used before) and prints, per run, the median
+token rate in --window-s windows before the shift, the lowest window after it, and the seconds until every later
+window is back at >= 0.9x that median (harness.lora.recovery_s). With --vllm-python, vLLM's CPU build then runs the same
 requests at the same arrival times, run by run, each run's adapters in one engine per --vllm-threads setting with
 max_loras = --device-adapters and max_cpu_loras = --host-adapters (warmed on the base model only, so its runs start
 cold too): its tokens/s, its ratio to its own one-adapter run and its time to first token (from arrival, as loom's
@@ -120,6 +124,10 @@ def parse_args(argv=None):
     ap.add_argument("--arrivals", type=int, default=192, help="requests of each traffic run")
     ap.add_argument("--load", type=float, default=0.9, help="arrival rate / the one-adapter closed batch's rate")
     ap.add_argument("--weight-files", type=int, default=16, help="distinct weight files behind the N adapters")
+    ap.add_argument("--shift-at", type=float, default=0.0, metavar="F",
+                    help="--adapters: from request F x --arrivals on, the popularity moves to other adapters (a new "
+                         "hot set; 0 = no shift); the report prints how long throughput takes to recover")
+    ap.add_argument("--window-s", type=float, default=2.0, help="--shift-at: the throughput window, seconds")
     ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
     ap.add_argument("--load-during", type=int, default=0, metavar="ROUNDS",
                     help="ROUNDS > 0: the inter-token latency of --requests running streams while adapters load "
@@ -381,7 +389,7 @@ def traffic(args, root: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from harness.lora import popularity_weights, run_arrivals
+    from harness.lora import popularity_weights, run_arrivals, shift_ranks
     from harness.serving_load import arrival_times
     from loom.engine.config import EngineConfig
     from loom.engine.llm import LLM
@@ -414,14 +422,17 @@ def traffic(args, root: str) -> None:
     arrivals = arrival_times(args.arrivals, rate, seed=0)
     bc.progress(f"closed batch on one adapter: {closed['tokens_per_s']:.1f} tok/s -> Poisson at {rate:.2f} req/s")
     results = {"closed_tokens_per_s": closed["tokens_per_s"], "rate": rate, "max_lora_wait_steps": wait, "runs": {}}
+    if args.shift_at > 0:
+        cut = int(args.shift_at * args.arrivals)
+        results["shift"] = {"request": cut, "t": arrivals[cut], "end_t": arrivals[-1], "window_s": args.window_s}
     for pop in ["one adapter"] + list(args.popularity):
         if pop == "one adapter":  # ad0, loaded by the closed batch
             ranks = [0] * args.arrivals
         else:
             for d in reg.list():  # every popularity run starts cold
                 reg.unload(d["name"])
-            ranks = random.Random(1).choices(range(args.adapters), popularity_weights(pop, args.adapters),
-                                             k=args.arrivals)
+            ranks = shift_ranks(random.Random(1).choices(range(args.adapters), popularity_weights(pop, args.adapters),
+                                                         k=args.arrivals), args.adapters, args.shift_at)
         loads0, evictions0 = len(reg.stats().loads), reg.num_evictions
         run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
         run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads[loads0:]],

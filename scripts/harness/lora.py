@@ -250,6 +250,44 @@ def popularity_weights(spec: str, n: int) -> list[float]:
     return [1.0 / (k + 1) ** float(a) for k in range(n)]
 
 
+def shift_ranks(ranks: list[int], n: int, at: float) -> list[int]:
+    """A popularity shift: from request int(at * len) on, adapter k's share goes to adapter (k + n // 2) % n, so the
+    hot set of the second part is adapters no request of the first part favoured (at 0: no shift)."""
+    cut = int(at * len(ranks)) if at > 0 else len(ranks)
+    return ranks[:cut] + [(k + n // 2) % n for k in ranks[cut:]]
+
+
+def recovery_s(token_times: list[tuple[float, int]], shift_t: float, end_t: float, window_s: float,
+               level: float = 0.9) -> tuple[float, float, float | None]:
+    """Throughput in windows of `window_s` seconds: (the median window rate before `shift_t`, the lowest after it, and
+    the seconds from `shift_t` until the rate stays at >= `level` x that median in every later window that ends by
+    `end_t` (the last arrival: after it the rate falls because requests run out) - 0.0 if it never dropped, None if
+    it never recovers)."""
+    import statistics
+
+    def rate(t: float) -> float:
+        return sum(k for at, k in token_times if t <= at < t + window_s) / window_s
+
+    before = [rate(t) for t in _frange(0.0, shift_t - window_s, window_s)]
+    after = [(t, rate(t)) for t in _frange(shift_t, end_t - window_s, window_s)]
+    if not before or not after:
+        raise ValueError(f"--window-s {window_s} leaves no whole window before or after the shift")
+    base = statistics.median(before)
+    low = [t for t, r in after if r < level * base]
+    if not low:
+        return base, min(r for _, r in after), 0.0
+    last = max(low)
+    if last == after[-1][0]:
+        return base, min(r for _, r in after), None
+    return base, min(r for _, r in after), last + window_s - shift_t
+
+
+def _frange(lo: float, hi: float, step: float) -> list[float]:
+    """lo, lo + step, ... <= hi (window starts)."""
+    n = int((hi - lo) // step) + 1 if hi >= lo else 0
+    return [lo + i * step for i in range(n)]
+
+
 def admission_bound(arrival: list[int], first: list[int], last: list[int], w: int) -> list[int]:
     """The queue time (steps) loom.engine.core.scheduler's rule guarantees each request r, given when every request was
     queued, got its first token and ended (steps; index order = queue order): from step a_r + W on, only requests
@@ -274,6 +312,7 @@ def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrival
     n = len(prompts)
     req = {k: [None] * n for k in ("arrival_step", "first_step", "last_step", "arrival_t", "first_t", "tier")}
     steps: list[tuple[float, int, bool, bool]] = []
+    token_times: list[tuple[float, int]] = []  # (seconds from the start, tokens) of each step that made tokens
     tokens = i = step = 0
     t0 = time.perf_counter()
     while i < n or eng.has_unfinished_requests():
@@ -293,6 +332,9 @@ def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrival
         batch = len(eng.last_step_request_ids)
         steps.append((te - ts, batch, batch > 0 and all(req["first_step"][int(o.request_id)] is not None
                                                          for o in outs), loading))
+        made = sum(len(o.new_token_ids) for o in outs)
+        if made:
+            token_times.append((te - t0, made))
         for o in outs:
             if o.error:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
@@ -303,4 +345,5 @@ def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrival
             if o.finished:
                 req["last_step"][k] = step
         step += 1
-    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "requests": req, "steps": steps}
+    return {"wall_s": time.perf_counter() - t0, "tokens": tokens, "requests": req, "steps": steps,
+            "token_times": token_times}

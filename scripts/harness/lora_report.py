@@ -180,10 +180,35 @@ def traffic_report(results: dict, args) -> str:
     lines.append(bc.table(["run", "what", "n", "p50 ms", "p99 ms"], firsts))
     lines.append("decode-only steps (the running streams' inter-token latency; steps with a prompt left out):")
     lines.append(bc.table(["run", "steps", "n", "mean batch", "p50 ms", "p99 ms"], itl))
+    if results.get("shift"):
+        lines += shift_lines(results["shift"], runs, checks)
     lines += vllm_traffic_lines(results.get("vllm") or {}, runs, args.adapters, checks)
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
+
+
+def shift_lines(shift: dict, runs: dict, checks: list) -> list[str]:
+    """The popularity shift (bench_lora --shift-at): per run, the token rate before it, its lowest window after it and
+    the time until throughput recovers (harness.lora.recovery_s); a TARGET that it recovers before arrivals end."""
+    from harness.lora import recovery_s
+
+    rows = []
+    for pop, run in runs.items():
+        if pop == "one adapter":
+            continue
+        try:
+            base, low, rec = recovery_s(run["token_times"], shift["t"], shift["end_t"], shift["window_s"])
+        except ValueError as e:  # a run too short for its windows: said, not a crash after minutes of benchmark
+            rows.append([pop, None, None, None, str(e)])
+            continue
+        rows.append([pop, base, low, bc.ratio(low, base), "never" if rec is None else rec])
+        checks.append((f"{pop}: throughput recovers after the popularity shift", rec is not None,
+                       "never" if rec is None else f"{rec:.1f} s"))
+    return [f"popularity shift at request {shift['request']} ({shift['t']:.1f} s; arrivals end at "
+            f"{shift['end_t']:.1f} s), token rate in {shift['window_s']:g} s windows; recovered = every later window "
+            f">= 0.9x the median before:",
+            bc.table(["run", "tok/s before", "lowest after", "ratio", "recovered after s"], rows, digits=2)]
 
 
 def vllm_traffic_lines(vllm: dict, runs: dict, n_adapters: int, checks: list) -> list[str]:

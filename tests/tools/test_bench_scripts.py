@@ -141,7 +141,8 @@ def test_bench_lora_many_adapters_smoke(tmp_path):
     out = tmp_path / "traffic.json"
     p = run_script("bench_lora.py", "--adapters", "12", "--popularity", "zipf:1.0", "uniform", "--arrivals", "8",
                    "--max-tokens", "3", "--prompt-len", "4", "--device-adapters", "2", "--host-adapters", "4",
-                   "--weight-files", "2", "--json", str(out))
+                   "--weight-files", "2", "--shift-at", "0.5", "--json", str(out))
+    assert "popularity shift at request 4 " in p.stdout, p.stdout  # its windows may not fit so short a run: said
     for pop in ("zipf:1.0", "uniform"):
         assert f"TARGET {pop}: tokens/s >= 0.80x one adapter" in p.stdout, p.stdout
         assert f"TARGET {pop}: every request's queue time within the stated bound: " in p.stdout
@@ -149,6 +150,23 @@ def test_bench_lora_many_adapters_smoke(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {"one adapter", "zipf:1.0", "uniform"}
     assert all(r["tokens"] == 8 * 3 for r in runs.values())
+
+
+def test_popularity_shift_and_recovery_time():
+    """--shift-at: the second part's hot set is adapters the first part did not favour; recovery = the seconds from
+    the shift until every later whole window is back at >= 0.9x the median rate before it."""
+    from harness.lora import recovery_s, shift_ranks
+
+    assert shift_ranks([0, 1, 0, 2, 0, 9], 10, 0.5) == [0, 1, 0, 7, 5, 4]
+    assert shift_ranks([0, 1], 10, 0.0) == [0, 1]
+    steady = [(t / 10, 1) for t in range(100)]  # 10 tok/s for 10 s
+    assert recovery_s(steady, 4.0, 10.0, 1.0) == (10.0, 10.0, 0.0)  # never dropped
+    dip = [(t, k) for t, k in steady if not 4.0 <= t < 6.0]  # nothing made for 2 s after the shift
+    assert recovery_s(dip, 4.0, 10.0, 1.0) == (10.0, 0.0, pytest.approx(2.0))
+    late = [(t, k) for t, k in steady if t < 9.0]  # the last whole window (9..10) is still low
+    assert recovery_s(late, 4.0, 10.0, 1.0)[2] is None
+    with pytest.raises(ValueError, match="no whole window"):
+        recovery_s(steady, 0.5, 10.0, 1.0)
 
 
 def test_traffic_report_sets_vllm_beside_loom_run_by_run():
