@@ -96,7 +96,7 @@ def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family, graphs):
                 outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), lora_names=names)
             greedy[tp] = [o.token_ids for o in outs]
             sampled[tp] = _sampled(llm, prompts, names)
-            if tp == 2 and graphs:  # decode-only steps replayed: mixed-adapter ones (a and b: every group) and base ones
+            if tp == 2 and graphs:  # decode-only steps replayed: mixed-adapter ones (a, b: every group), base ones
                 assert set(replayed) == {None, g.lora_groups} == {k for _, k in g._graphs}, replayed
         finally:
             llm.engine.close()

@@ -272,13 +272,13 @@ class DecodeGraphs:
             a[g:] = 0
 
 
-def _describe(graphs: list[tuple[int, frozenset | None]]) -> list[tuple[int, list[str] | None]]:
+def describe_graphs(graphs: list[tuple[int, frozenset | None]]) -> list[tuple[int, list[str] | None]]:
     return [(b, None if key is None else sorted(key)) for b, key in graphs]
 
 
 def check_same_graphs(tp, graphs: list[tuple[int, frozenset | None]], what: str) -> None:
     """Raise on every rank unless every rank's (bucket, LoRA key) list equals rank 0's, order included."""
-    mine = _describe(graphs)
+    mine = describe_graphs(graphs)
     every = tp.gather_objects(mine)
     for rank, theirs in enumerate(every):
         if theirs != every[0]:
