@@ -16,8 +16,9 @@ Sections (each in its own process, with a hard time limit; docs/GPU_CHECK.md say
   speed     1B-class random Llama: decode tokens/s and bandwidth fraction at batch 1/8/32/128, CUDA graphs vs
             eager, host vs device time per step, compiles after warm-up, 32 rank-16 adapters, paged decode
             attention vs a device copy and vs SDPA
-  tp        (optional; 2+ GPUs, else "skipped: 1 GPU") TP=1 vs TP=2 on the 1B-class Llama: decode tokens/s at
-            batch 1 and 32, collectives ms per step
+  tp        (optional; 2+ GPUs, else "skipped: 1 GPU") TP=1 vs TP=2 on the 1B-class Llama: TP=2's greedy tokens
+            with per-rank CUDA graphs = eager; decode tokens/s at batch 1 and 32 (TP=1 eager, TP=2 graphs and
+            eager), collectives ms per step
   speed_8b  (optional) the same decode sweep for an 8B-class random Llama, CUDA graphs only
 The section limits sum to at most BUDGET_S - MARGIN_S (asserted at import), so every section gets its whole limit
 even when each one runs to it; the correctness sections also run side by side. One Triton cache

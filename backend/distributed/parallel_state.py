@@ -82,6 +82,12 @@ class ParallelGroup:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (small, picklable: start-up checks), on every rank, over the host group."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def broadcast(self, t: torch.Tensor, host: bool = False) -> torch.Tensor:
         """From rank 0 to every rank, in place: the host group for headers, else the device group."""
         with self._timed():

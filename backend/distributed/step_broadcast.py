@@ -12,8 +12,15 @@ groups' first rows, ranks, scalings, targeted module groups; its token indices t
 rows rank 0 wrote or moved since the last step (loom.lora.tp_pools), whose weights follow the payload as bytes on the
 device group. A worker repeats those writes before the step's forward, so the rows the step reads hold on every rank
 the adapter versions they hold on rank 0.
+
+A decode step rank 0 serves from a CUDA graph (loom.engine.worker.cuda_graphs) names in the header the graph's bucket
+and LoRA key, and its payload is the bucket's padded rows: every worker replays its graph of the same bucket and key
+(the collectives captured inside pair with rank 0's). CAPTURE (CPU tests) tells the workers to set up the graph path
+as rank 0 does, in the same order.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,12 +28,15 @@ from loom.distributed.parallel_state import ParallelGroup
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta
 from loom.lora.model_spec import GROUP_LAYOUT
 
-HEADER_LEN = 14
-STEP, STOP = 0, 1
+HEADER_LEN = 16
+STEP, STOP, CAPTURE = 0, 1, 2
 # header fields
-_OP, _T, _ROWS, _DEC, _PRE, _WIDTH, _DEC_Q, _DEC_K, _PRE_Q, _PRE_K, _COPIES, _LEN, _LORA, _LORA_BYTES = \
-    range(HEADER_LEN)
+(_OP, _T, _ROWS, _DEC, _PRE, _WIDTH, _DEC_Q, _DEC_K, _PRE_Q, _PRE_K, _COPIES, _LEN, _LORA, _LORA_BYTES, _GRAPH,
+ _GRAPH_KEY) = range(HEADER_LEN)
 _GROUPS = tuple(name for name, *_ in GROUP_LAYOUT)  # LoraBatchMeta.module_groups as a bit mask
+
+# a decode graph: (its batch-size bucket, its LoRA key: the module groups it applies LoRA to, None = no LoRA)
+GraphKey = tuple[int, frozenset | None]
 
 # (pool rows written / moved as integers, their weights as bytes or None): loom.lora.tp_pools
 LoraUpdates = tuple[list[int], torch.Tensor | None]
@@ -43,10 +53,18 @@ def _lora_ints(meta: LoraBatchMeta | None) -> list[int]:
     if meta is None:
         return [0]
     g = meta.num_groups
-    mask = -1 if meta.module_groups is None else sum(1 << i for i, n in enumerate(_GROUPS) if n in meta.module_groups)
+    mask = -1 if meta.module_groups is None else _mask(meta.module_groups)
     bits = torch.tensor(meta.scalings_cpu, dtype=torch.float64).view(torch.int64).tolist()
     return [1, g, meta.token_indices.shape[0], meta.max_rank, meta.max_seg_len, mask, *meta.seg_starts_cpu,
             *meta.row_start_cpu, *meta.ranks_cpu, *bits, *(meta.versions_cpu or [0] * g)]
+
+
+def _mask(groups) -> int:
+    return sum(1 << i for i, n in enumerate(_GROUPS) if n in groups)
+
+
+def _groups(mask: int) -> frozenset:
+    return frozenset(n for i, n in enumerate(_GROUPS) if mask >> i & 1)
 
 
 def _lora_meta(ints: list[int], tokens: list[torch.Tensor], device: torch.device) -> LoraBatchMeta | None:
@@ -63,17 +81,21 @@ def _lora_meta(ints: list[int], tokens: list[torch.Tensor], device: torch.device
         ranks=torch.tensor(ranks, **i32), scalings=torch.tensor(scalings, dtype=torch.float32, device=device),
         max_rank=max_rank, max_seg_len=max_seg, seg_starts_cpu=seg, row_start_cpu=rows, ranks_cpu=ranks,
         scalings_cpu=scalings, versions_cpu=versions,
-        module_groups=None if mask < 0 else frozenset(n for i, n in enumerate(_GROUPS) if mask >> i & 1))
+        module_groups=None if mask < 0 else _groups(mask))
 
 
 def send_step(group: ParallelGroup, ids: torch.Tensor, ctx: ForwardContext,
-              copies: list[tuple[int, int]], lora_updates: LoraUpdates | None = None) -> None:
+              copies: list[tuple[int, int]], lora_updates: LoraUpdates | None = None,
+              graph: GraphKey | None = None) -> None:
     """Rank 0: the step (its forward context and input ids) to every other rank, with the LoRA pool rows written or
-    moved since the last step."""
+    moved since the last step. graph: the decode graph rank 0 replays for it (ctx: the bucket's padded rows, its
+    LoRA grouping the step's own), None = eager."""
     dec, pre = ctx.decode, ctx.prefill
     t, rows = ids.shape[0], ctx.logits_indices.shape[0]
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h = [STEP, t, rows, ctx.num_decode_seqs, 0, 0, 0, 0, 0, 0, len(copies), 0, 0, 0]
+    h = [STEP, t, rows, ctx.num_decode_seqs, 0, 0, 0, 0, 0, 0, len(copies), 0, 0, 0, 0, 0]
+    if graph is not None:  # the bucket (>= 1), the LoRA key's groups as a mask (0: none; a key is never empty)
+        h[_GRAPH], h[_GRAPH_KEY] = graph[0], 0 if graph[1] is None else _mask(graph[1])
     if dec is not None:
         h[_WIDTH], h[_DEC_Q], h[_DEC_K] = dec.block_tables.shape[1], dec.max_seqlen_q, dec.max_seqlen_k
     if pre is not None:
@@ -101,19 +123,35 @@ def send_step(group: ParallelGroup, ids: torch.Tensor, ctx: ForwardContext,
         group.broadcast(weights.to(group.device))
 
 
-def send_stop(group: ParallelGroup) -> None:
+def _send_op(group: ParallelGroup, op: int) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[_OP] = STOP
+    header[_OP] = op
     group.broadcast(header, host=True)
 
 
-def recv_step(group: ParallelGroup) -> tuple[torch.Tensor, ForwardContext, list[tuple[int, int]],
-                                             LoraUpdates | None] | None:
-    """Ranks 1..N-1: the next step as (input ids, forward context, block copies, LoRA pool updates or None), or None
-    when rank 0 stops."""
+def send_stop(group: ParallelGroup) -> None:
+    _send_op(group, STOP)
+
+
+def send_capture(group: ParallelGroup) -> None:
+    """Rank 0, between steps: every worker sets up its decode graph path now (CPU tests: emulated), as rank 0 does
+    next."""
+    _send_op(group, CAPTURE)
+
+
+class Step(NamedTuple):
+    ids: torch.Tensor
+    ctx: ForwardContext
+    copies: list[tuple[int, int]]  # KV block copies to make before the forward
+    lora_updates: LoraUpdates | None
+    graph: GraphKey | None  # the decode graph rank 0 replays (ctx holds its bucket's rows), None = eager
+
+
+def recv_step(group: ParallelGroup) -> Step | int:
+    """Ranks 1..N-1: the next step, or the op rank 0 sent instead (STOP, CAPTURE)."""
     header = group.broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64), host=True).tolist()
-    if header[_OP] == STOP:
-        return None
+    if header[_OP] != STEP:
+        return header[_OP]
     lora = group.broadcast(torch.empty(header[_LORA], dtype=torch.int64), host=True).tolist() \
         if header[_LORA] else []
     payload = group.broadcast(torch.empty(header[_LEN], dtype=torch.int64, device=group.device))
@@ -146,7 +184,8 @@ def recv_step(group: ParallelGroup) -> tuple[torch.Tensor, ForwardContext, list[
         lora_meta.experts = _lora_meta(lora, rest, group.device)
     ctx = ForwardContext(positions=positions, slot_mapping=slots, num_decode_seqs=d, decode=decode, prefill=prefill,
                          logits_indices=logits_idx, lora=lora_meta)
-    return ids, ctx, [(a, b) for a, b in copies], updates
+    graph = (header[_GRAPH], _groups(header[_GRAPH_KEY]) if header[_GRAPH_KEY] else None) if header[_GRAPH] else None
+    return Step(ids, ctx, [(a, b) for a, b in copies], updates, graph)
 
 
 def _token_counts(ints: list[int]) -> list[int]:

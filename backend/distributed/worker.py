@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from loom.distributed.parallel_state import destroy_group, init_group
-from loom.distributed.step_broadcast import recv_step
+from loom.distributed.step_broadcast import CAPTURE, STOP, recv_step
 from loom.layers.forward_context import forward_context
 from loom.lora.tp_pools import PeerPools
 
@@ -66,15 +66,24 @@ def worker_main(rank: int, rdv, config, model_dir: str, runner_cls, conn) -> Non
 @torch.inference_mode()
 def serve(runner, group, pools: PeerPools) -> None:
     """Each step: receive it, make this rank's KV block copies and LoRA row writes, check the LoRA rows it reads, run
-    the forward (its collectives pair with rank 0's; the logits go to rank 0, which samples)."""
+    the forward - or replay the decode graph rank 0 named (its collectives pair with rank 0's; the logits go to rank
+    0, which samples)."""
     while True:
         step = recv_step(group)
-        if step is None:
+        if step == STOP:
             return
-        ids, ctx, copies, lora_updates = step
-        runner.copy_blocks(copies)
-        if lora_updates is not None:
-            pools.apply(*lora_updates)
-        pools.check(ctx.lora)  # the rows the step reads hold rank 0's adapter versions
-        with forward_context(ctx):
-            runner.forward(ids, ctx.positions, ctx.logits_indices)
+        if step == CAPTURE:  # CPU tests: the emulated graph path, set up as rank 0 does
+            runner.enable_graph_emulation()
+            continue
+        runner.copy_blocks(step.copies)
+        if step.lora_updates is not None:
+            pools.apply(*step.lora_updates)
+        pools.check(step.ctx.lora)  # the rows the step reads hold rank 0's adapter versions
+        if step.graph is not None:
+            if runner.graphs is None:
+                raise RuntimeError(f"rank 0 replays the decode graph {step.graph} but rank {group.rank} has no "
+                                   "decode graphs (cuda_graphs differs between the ranks?)")
+            runner.graphs.run_sent(step.graph, step.ids, step.ctx)
+            continue
+        with forward_context(step.ctx):
+            runner.forward(step.ids, step.ctx.positions, step.ctx.logits_indices)

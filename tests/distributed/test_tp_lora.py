@@ -67,10 +67,14 @@ def _sampled(llm, prompts, names):
     return [[s.token_ids for s in (o.samples or [o])] for o in outs]
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family):
+# Llama's TP=2 decode-only steps take the decode-graph path (its eager dense-LoRA steps: the mixed prefill / decode
+# steps here, and test_tp2_load_compact_evict_reload_unload_while_serving); Mixtral's expert LoRA runs eagerly anyway.
+@pytest.mark.parametrize("family,graphs", [("llama", True), ("mixtral", False)])
+def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family, graphs):
     """Chunked prefills beside decodes, each sequence with adapter a, b or none: TP=2's greedy tokens equal
-    transformers + PEFT's (logprobs as close as float32 allows) and TP=1's, its seeded samples TP=1's."""
+    transformers + PEFT's (logprobs as close as float32 allows) and TP=1's, its seeded samples TP=1's. graphs: TP=2's
+    decode-only steps take the decode-graph path (CPU emulation: buckets, padded rows, static buffers; both ranks set
+    up in the same order and checked), rank 0 naming each step's bucket and LoRA key; TP=1 stays eager."""
     model, path, root = _family(tmp_path, family)
     oracles = {None: model, "a": peft_model(path, str(root / "a")), "b": peft_model(path, str(root / "b"))}
     names = [None, "a", "b", "a", "b", None]
@@ -80,12 +84,20 @@ def test_tp2_mixed_adapters_match_peft_and_tp1(tmp_path, family):
     for tp in (1, 2):
         llm = tp_llm(path, model.config, tp, adapter_roots=[str(root)], **LORA)
         try:
+            replayed = []  # the LoRA key of each step rank 0 replayed
+            if tp == 2 and graphs:
+                llm.engine.runner.enable_graph_emulation()
+                g = llm.engine.runner.graphs
+                replay = g._replay
+                g._replay = lambda b, key, idx: (replayed.append(key), replay(b, key, idx))[1]
             if tp == 2:
                 outs = check(llm, model, prompts, 6, lora_names=names, oracle=lambda i: oracles[names[i]])
             else:
                 outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), lora_names=names)
             greedy[tp] = [o.token_ids for o in outs]
             sampled[tp] = _sampled(llm, prompts, names)
+            if tp == 2 and graphs:  # decode-only steps replayed: mixed-adapter ones (a, b: every group), base ones
+                assert set(replayed) == {None, g.lora_groups} == {k for _, k in g._graphs}, replayed
         finally:
             llm.engine.close()
     assert greedy[2] == greedy[1] and sampled[2] == sampled[1]

@@ -10,7 +10,7 @@ from harness.hf_models import assert_no_leak, hf_greedy, make_hf_model, random_p
 from harness.lora import ADAPTERS, make_peft_adapter, make_tiny_llama, peft_greedy, tiny_llama_config
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
-from loom.engine.worker.cuda_graphs import graph_batch_sizes
+from loom.engine.worker.cuda_graphs import check_same_graphs, describe_graphs, graph_batch_sizes
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -168,3 +168,26 @@ def test_graph_path_with_triton_kernels(lora_setup, monkeypatch):
     outs = [llm.generate(prompts, params, lora_names=rows) for llm in (eager, graphs)]
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert graphs.engine.runner.graphs.replays > 0
+
+
+class _Ranks:
+    """What check_same_graphs reads of a tensor-parallel group: every rank's list (rank 1's given)."""
+
+    def __init__(self, rank1):
+        self.rank1 = rank1
+
+    def gather_objects(self, mine):
+        return [mine, self.rank1]
+
+
+def test_tp_ranks_must_capture_the_same_graphs_in_the_same_order():
+    """Under tensor parallelism a rank capturing other graphs, or the same ones in another order, would record its
+    collectives out of step with rank 0's: every rank refuses, naming both lists."""
+    key = frozenset({"qkv_proj", "o_proj"})
+    plan = [(2, None), (1, None), (2, key), (1, key)]
+    check_same_graphs(_Ranks(describe_graphs(plan)), plan, "captured")
+    with pytest.raises(RuntimeError, match=r"rank 1 plan to capture \[\(2, None\), \(1, None\)\], rank 0 "
+                                           r"\[\(2, None\), \(1, None\), \(2, \['o_proj', 'qkv_proj'\]\), .*order"):
+        check_same_graphs(_Ranks(describe_graphs(plan[:2])), plan, "plan to capture")
+    with pytest.raises(RuntimeError, match=r"rank 1 captured \[\(1, None\), \(2, None\)"):
+        check_same_graphs(_Ranks(describe_graphs(plan[1::-1] + plan[2:])), plan, "captured")

@@ -44,8 +44,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
     decode = by["speed"]["tables"]["decode"]["rows"]
     assert {row[2] for row in decode} >= {1, 2} and any("LoRA" in row[0] for row in decode)
     assert by["speed"]["tables"]["paged decode attention"]["rows"]
-    assert {(row[1], row[2]) for row in by["tp"]["tables"]["tensor parallel decode"]["rows"]} == \
-        {(1, 1), (1, 2), (2, 1), (2, 2)}  # TP 1 and 2 (gloo) at batch 1 and 2
+    assert {tuple(row[1:4]) for row in by["tp"]["tables"]["tensor parallel decode"]["rows"]} == \
+        {(tp, mode, b) for tp, mode in ((1, "eager"), (2, "graphs"), (2, "eager")) for b in (1, 2)}  # gloo
+    assert any(c["name"] == "TP=2 greedy tokens: graphs = eager" for c in by["tp"]["checks"])
     assert {t["met"] for r in recs for t in r["targets"]} == {None}  # targets are judged on CUDA only
     assert "copy bandwidth" in p.stdout and "all sections passed" in p.stdout
     assert (tmp_path / "gpu_check_summary.txt").is_file() and (tmp_path / "gpu_check.log").is_file()

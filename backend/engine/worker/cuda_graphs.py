@@ -26,6 +26,13 @@ expert LoRA, prompt logprobs or more than the largest bucket's sequences run eag
 capture=False (CPU, tests) runs the same staging and padding and calls the forward eagerly where CUDA would
 replay: identical tokens with and without this path is what the CPU tests check. The CUDA-only part is
 _CapturedGraph.
+
+Tensor parallelism: every rank captures its own graphs, the model's collectives (NCCL all-reduces) inside them. A
+capture records a collective without running it, so the ranks must record theirs in the same order: capture_all
+runs the same (bucket, key) sequence on every rank (checked across the ranks before and after), and rank 0 alone
+decides each step's graph - its bucket and LoRA key go in the step header (loom.distributed.step_broadcast), with
+the bucket's padded rows as the payload - so a worker replays (or, for a LoRA key first needed then, captures) the
+same graph at the same time (run_sent). lm_head and the gather of the logits run after the replay, eagerly.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import logging
 import numpy as np
 import torch
 
+from loom.distributed.step_broadcast import GraphKey
 from loom.engine.worker.compiled_forward import logits_of
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 
@@ -106,11 +114,18 @@ class DecodeGraphs:
 
     # ---- capture ---------------------------------------------------------------------------------
     def capture_all(self) -> int:
-        """Start-up: every bucket without LoRA and, when pools are attached, with every LoRA group; -> graphs."""
+        """Start-up: every bucket without LoRA and, when pools are attached, with every LoRA group; -> graphs.
+        Under tensor parallelism every rank runs this at the same point, and the ranks' plans and captures are
+        compared (a rank that captured other graphs would record its collectives out of order)."""
         keys = [None] + ([self.lora_groups] if self.lora_groups else [])
-        for key in keys:
-            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-                self._get(b, key, stage_padding=True)
+        plan = [(b, key) for key in keys for b in reversed(self.buckets)]  # largest first: smaller graphs reuse its
+        tp = self.runner.tp                                                 # pool memory
+        if tp is not None:
+            check_same_graphs(tp, plan, "plan to capture")
+        for b, key in plan:
+            self._get(b, key, stage_padding=True)
+        if tp is not None:
+            check_same_graphs(tp, list(self._graphs), "captured")
         return len(self._graphs)
 
     def _get(self, b: int, key: frozenset | None, stage_padding: bool = True):
@@ -135,16 +150,20 @@ class DecodeGraphs:
             ranks=dev("lora_ranks", b), scalings=dev("lora_scalings", b),
             max_rank=self.runner.config.max_lora_rank, max_seg_len=b, module_groups=key)
 
-    def _forward_fn(self, b: int, key: frozenset | None):
+    def _static_ctx(self, b: int, rows: int, lora: LoraBatchMeta | None) -> ForwardContext:
+        """The context over the static buffers' first b rows (rows: logits rows)."""
         r = self.runner
         dev = r.buffers.device_view
         width = r.max_blocks_per_seq
         decode = AttentionMeta(dev("cu_seqlens", b + 1), dev("seq_lens", b), dev("block_tables", b, width), 1,
                                width * r.block_size)
-        ctx = ForwardContext(positions=dev("positions", b), slot_mapping=dev("slot_mapping", b), num_decode_seqs=b,
-                             decode=decode, prefill=None, logits_indices=dev("logits_indices", b),
-                             lora=None if key is None else self._static_lora(b, key))
-        ids, model, out = dev("input_ids", b), r.model, self.hidden[:b]
+        return ForwardContext(positions=dev("positions", b), slot_mapping=dev("slot_mapping", b), num_decode_seqs=b,
+                              decode=decode, prefill=None, logits_indices=dev("logits_indices", rows), lora=lora)
+
+    def _forward_fn(self, b: int, key: frozenset | None):
+        r = self.runner
+        ctx = self._static_ctx(b, b, None if key is None else self._static_lora(b, key))
+        ids, model, out = r.buffers.device_view("input_ids", b), r.model, self.hidden[:b]
 
         def forward() -> None:
             with forward_context(ctx):
@@ -199,11 +218,39 @@ class DecodeGraphs:
         if key is not None:
             r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
                                                                                     non_blocking=True)
+        idx = r.buffers.device_view("logits_indices", len(sampled))
+        if r.tp is None:
+            return self._replay(b, key, idx), sampled
+        with r.tp.step_guard():  # the workers replay the same graph over the same rows (run_sent)
+            ids = r.buffers.device_view("input_ids", b)
+            r.send_step(ids, self._static_ctx(b, len(sampled), None if key is None else lora), (b, key))
+            return self._replay(b, key, idx), sampled
+
+    def _replay(self, b: int, key: frozenset | None, idx: torch.Tensor) -> torch.Tensor:
         # a graph first needed now is captured over this step's staged inputs (its first run is this step's)
         self._get(b, key, stage_padding=False)()
         self.replays += 1
-        idx = r.buffers.device_view("logits_indices", len(sampled))
-        return logits_of(r.model, self.hidden, idx), sampled
+        return logits_of(self.runner.model, self.hidden, idx)
+
+    def run_sent(self, graph: GraphKey, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Ranks 1..N-1: rank 0's graph step - its bucket and LoRA key, the bucket's rows it sent (ctx.lora: the
+        step's own grouping) - staged into this rank's static buffers and replayed; -> this rank's logits share."""
+        b, key = graph
+        r = self.runner
+        buf, dev = r.buffers, r.buffers.device_view
+        if key is not None:
+            if ctx.lora is None:
+                raise RuntimeError(f"rank 0 sent a decode-graph step with LoRA on {sorted(key)} but no adapter "
+                                   "grouping")
+            buf.begin()
+            self._stage_lora(b, ctx.lora)
+            buf.commit()  # before the copies below: it rewrites the int32 buffers' prefix from the host
+            dev("lora_tokens", ctx.lora.token_indices.numel()).copy_(ctx.lora.token_indices)
+        for name, src in (("input_ids", ids), ("positions", ctx.positions), ("slot_mapping", ctx.slot_mapping),
+                          ("seq_lens", ctx.decode.seq_lens)):
+            dev(name, b).copy_(src)
+        dev("block_tables", b, r.max_blocks_per_seq).copy_(ctx.decode.block_tables)
+        return self._replay(b, key, ctx.logits_indices)
 
     def _stage_lora(self, b: int, meta: LoraBatchMeta) -> None:
         seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()
@@ -223,3 +270,20 @@ class DecodeGraphs:
             a = buf.host(name, b)
             a[:g] = np.asarray(vals, dtype=a.dtype)
             a[g:] = 0
+
+
+def describe_graphs(graphs: list[tuple[int, frozenset | None]]) -> list[tuple[int, list[str] | None]]:
+    return [(b, None if key is None else sorted(key)) for b, key in graphs]
+
+
+def check_same_graphs(tp, graphs: list[tuple[int, frozenset | None]], what: str) -> None:
+    """Raise on every rank unless every rank's (bucket, LoRA key) list equals rank 0's, order included."""
+    mine = describe_graphs(graphs)
+    every = tp.gather_objects(mine)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            raise RuntimeError(
+                f"CUDA graphs under tensor parallelism: rank {rank} {what} {theirs}, rank 0 {every[0]} ((batch "
+                "bucket, LoRA groups) in order); every rank must capture the same graphs in the same order (their "
+                "collectives pair up): give every rank the same cuda_graph_max_batch, max_num_seqs and LoRA pools, "
+                "or set cuda_graphs false")

@@ -10,20 +10,20 @@ anything else run eagerly here, which is also the reference the graph path is te
 
 With tensor parallelism (`tp`, loom.distributed) every rank runs this runner over its shard: rank 0 (the engine's)
 prepares each step, broadcasts its inputs and gets the gathered logits; the workers run the same forward on what
-they receive (loom.distributed.worker). Decode steps run eagerly there (no CUDA graphs yet).
+they receive (loom.distributed.worker). Decode graphs are per rank, their collectives captured: rank 0 picks each
+step's graph and the workers replay the same one (loom.engine.worker.cuda_graphs).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 from contextlib import nullcontext
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from loom.device import bind_thread, resolve_device
-from loom.distributed.step_broadcast import send_step
+from loom.distributed.step_broadcast import send_capture, send_step
 from loom.engine.config import EngineConfig
 from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.worker import cpu
@@ -52,10 +52,6 @@ class ModelRunner:
         self.kv_share_bytes = kv_share_bytes
         self._copies: list[tuple[int, int]] = []  # rank 0: KV block copies the other ranks make at the next step
         self.peer_log = None  # rank 0: LoRA rows written since the last step (loom.lora.tp_pools), set by the engine
-        if tp is not None and config.cuda_graphs:
-            config = replace(config, cuda_graphs=False)
-            if tp.rank == 0 and config.torch_device.type == "cuda":
-                log.info("tensor parallel: decode steps run eagerly (no CUDA graphs with tensor_parallel_size > 1)")
         self.config = config
         self.device = resolve_device(config.torch_device)  # cuda -> cuda:<current>: other threads bind to it
         bind_thread(self.device)
@@ -176,6 +172,10 @@ class ModelRunner:
         from loom.engine.worker.cuda_graphs import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, capture=False)
+        if self.tp is not None:  # every rank sets its path up in the same order, as the CUDA warm-up captures
+            if self.tp.rank == 0:
+                send_capture(self.tp)  # the workers call this too
+            self.graphs.capture_all()
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
@@ -320,11 +320,16 @@ class ModelRunner:
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)
         with self.tp.step_guard() if self.tp is not None else nullcontext():  # a dead rank: an error naming it
             if self.tp is not None:
-                send_step(self.tp, ids, ctx, self._copies, self.peer_log.take() if self.peer_log is not None else None)
-                self._copies = []
+                self.send_step(ids, ctx)
             with forward_context(ctx):
                 logits = self.forward(ids, ctx.positions, ctx.logits_indices)  # [0, vocab] when nothing is sampled
         return logits, sampled
+
+    def send_step(self, ids: torch.Tensor, ctx: ForwardContext, graph=None) -> None:
+        """Rank 0: the step to the workers, with the KV block copies and LoRA rows since the last one; graph: the
+        (bucket, LoRA key) of the decode graph it replays (ctx: the bucket's rows)."""
+        send_step(self.tp, ids, ctx, self._copies, self.peer_log.take() if self.peer_log is not None else None, graph)
+        self._copies = []
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """KV block src -> dst for each pair, every layer (n > 1 forks copy a partly filled block). With tensor
