@@ -168,3 +168,36 @@ def test_graph_path_with_triton_kernels(lora_setup, monkeypatch):
     outs = [llm.generate(prompts, params, lora_names=rows) for llm in (eager, graphs)]
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
     assert graphs.engine.runner.graphs.replays > 0
+
+
+def test_verify_steps_replay_graphs_token_identical_to_eager(lora_setup):
+    """Speculative decoding's verify steps (rows of 1 + k tokens beside plain decode rows, adapters and rows without
+    one mixed) through the verify-graph path: packed rows in a bucket of b rows x (1 + k) tokens, empty rows and
+    padding tokens past them, LoRA groups in static buffers. Tokens and logprobs as the eager path's; the padding
+    stores nothing in the KV cache."""
+    base, root, names = lora_setup
+    spec = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, backoff="off")
+    kw = dict(max_num_batched_tokens=32, cuda_graph_max_batch=8, speculative_config=spec)
+    eager, graphs = _lora_llm(base, root, **kw), _lora_llm(base, root, **kw)
+    graphs.engine.runner.enable_graph_emulation()
+    vg = graphs.engine.runner.verify_graphs
+    assert vg.buckets == [1, 2, 4, 8] and vg.tokens_of(8) == 32
+    for llm in (eager, graphs):
+        nan_cache(llm)
+        for n in names:  # loaded before the steps: both engines schedule alike, whatever the loader's timing
+            llm.engine.adapters.load(n)
+    vocab = tiny_llama_config(layers=1).vocab_size
+    parts = random_prompts([3, 5, 4, 6, 2, 7], vocab, seed=4)
+    prompts = [parts[0] * 4, parts[1] * 3, parts[2] + parts[3], parts[3] * 3, parts[4] * 6, parts[5] * 2]
+    rows = [names[3], None, names[0], names[4], None, names[3]]
+    plan = [(i // 2, p, r) for i, (p, r) in enumerate(zip(prompts, rows))]
+    params = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+    got_e, got_g = drive(eager, plan, params), drive(graphs, plan, params)
+    for k in got_e:
+        assert got_g[k][0] == got_e[k][0], k
+        assert max(abs(a - b) for a, b in zip(got_g[k][1], got_e[k][1])) < 1e-4, k
+    st = graphs.engine.stats().spec_decoding
+    assert vg.replays > 0 and st.num_accepted_tokens > 0, (vg.replays, st)
+    assert st == eager.engine.stats().spec_decoding
+    assert torch.equal(torch.isfinite(graphs.engine.runner.kv_cache), torch.isfinite(eager.engine.runner.kv_cache))
+    assert_no_leak(graphs.engine)

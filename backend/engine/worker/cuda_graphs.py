@@ -128,12 +128,17 @@ class DecodeGraphs:
             self._graphs[(b, key)] = g
         return g
 
+    def tokens_of(self, b: int) -> int:
+        """Token rows of bucket b's graph (a decode row is one token)."""
+        return b
+
     def _static_lora(self, b: int, key: frozenset) -> LoraBatchMeta:
         dev = self.runner.buffers.device_view
+        n = self.tokens_of(b)
         return LoraBatchMeta(
-            token_indices=dev("lora_tokens", b), seg_starts=dev("lora_seg", b + 1), row_start=dev("lora_rows", b),
+            token_indices=dev("lora_tokens", n), seg_starts=dev("lora_seg", b + 1), row_start=dev("lora_rows", b),
             ranks=dev("lora_ranks", b), scalings=dev("lora_scalings", b),
-            max_rank=self.runner.config.max_lora_rank, max_seg_len=b, module_groups=key)
+            max_rank=self.runner.config.max_lora_rank, max_seg_len=n, module_groups=key)
 
     def _forward_fn(self, b: int, key: frozenset | None):
         r = self.runner
@@ -183,6 +188,13 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None:
             return None
+        key = self._serving_key(b, lora)
+        _, _, sampled = self.runner.prepare(batch, lora, pad_to=b, fill=fill)
+        return self._replay(b, key, lora, fill, len(sampled)), sampled
+
+    def _serving_key(self, b: int, lora: LoraBatchMeta | None) -> frozenset | None:
+        """The graph key a step of bucket b with this LoRA grouping replays (a lazy capture's key, or the all-groups
+        graph once MAX_LORA_KEYS lazy keys exist)."""
         key = self.lora_key(lora)
         if self.capture and (b, key) not in self._graphs and key not in (None, self.lora_groups):
             lazy = {k for _, k in self._graphs} - {None, self.lora_groups}
@@ -190,20 +202,24 @@ class DecodeGraphs:
                 key = self.lora_groups  # zero rows for the groups no adapter targets: the same result
             else:
                 log.info("capturing the CUDA graph of batch %d with LoRA on %s", b, sorted(key))
+        return key
+
+    def _replay(self, b: int, key: frozenset | None, lora: LoraBatchMeta | None, fill, num_logits: int):
+        """The step's inputs are staged (not committed): its LoRA rows too, commit, replay; -> float32 logits of the
+        first num_logits logits_indices."""
         r = self.runner
-        _, _, sampled = r.prepare(batch, lora, pad_to=b, fill=fill)
         if key is not None:
             self._stage_lora(b, lora)
         r.buffers.commit()
-        r.fill_ids(r.buffers.device_view("input_ids", b), fill)
+        r.fill_ids(r.buffers.device_view("input_ids", self.tokens_of(b)), fill)
         if key is not None:
             r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
                                                                                     non_blocking=True)
         # a graph first needed now is captured over this step's staged inputs (its first run is this step's)
         self._get(b, key, stage_padding=False)()
         self.replays += 1
-        idx = r.buffers.device_view("logits_indices", len(sampled))
-        return logits_of(r.model, self.hidden, idx), sampled
+        idx = r.buffers.device_view("logits_indices", num_logits)
+        return logits_of(r.model, self.hidden, idx)
 
     def _stage_lora(self, b: int, meta: LoraBatchMeta) -> None:
         seg = meta.seg_starts_cpu if meta.seg_starts_cpu is not None else meta.seg_starts.tolist()
