@@ -201,3 +201,26 @@ def test_verify_steps_replay_graphs_token_identical_to_eager(lora_setup):
     assert st == eager.engine.stats().spec_decoding
     assert torch.equal(torch.isfinite(graphs.engine.runner.kv_cache), torch.isfinite(eager.engine.runner.kv_cache))
     assert_no_leak(graphs.engine)
+
+
+def test_verify_graph_path_with_triton_kernels(lora_setup, monkeypatch):
+    """The same with the Triton kernels (interpreted; against the eager C++ path), as a captured verify graph
+    launches them: the prefill attention over every row (query length 1 + k at most, rows past the step's empty,
+    padding tokens in no row), the fused rope + store skipping the padding's slots, LoRA groups in static buffers.
+    The target is its own draft (every step after the first verifies k proposals, all accepted)."""
+    base, root, names = lora_setup
+    spec = dict(method="draft_model", model=base, num_speculative_tokens=2, backoff="off")
+    eager = _lora_llm(base, root, max_num_batched_tokens=16, speculative_config=spec)  # the C++ path: seconds faster
+    monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
+    graphs = _lora_llm(base, root, max_num_batched_tokens=16, speculative_config=spec)
+    graphs.engine.runner.enable_graph_emulation()
+    prompts = random_prompts([3, 2, 2], tiny_llama_config().vocab_size, seed=9)
+    rows = [names[3], None, names[3]]
+    # rows of 3, 2 and 3 tokens (max_tokens cuts the second's proposals) in bucket 4: padding tokens, an empty row
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (4, 3, 4)]
+    for llm in (eager, graphs):
+        llm.engine.adapters.load(names[3])
+    outs = [llm.generate(prompts, params, lora_names=rows) for llm in (eager, graphs)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert graphs.engine.runner.verify_graphs.replays > 0
+    assert graphs.engine.stats().spec_decoding.num_accepted_tokens > 0

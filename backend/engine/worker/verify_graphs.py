@@ -14,8 +14,9 @@ verify_hidden; lm_head then runs eagerly on the rows verification needs (loom.en
 .logits_of), as after a decode graph.
 
 Everything else is the decode graphs': the capture (one pool shared with them, the capture stream), LoRA groups in
-static buffers and the graph keys by LoRA module groups, steps with expert LoRA run eagerly; a step with more rows
-than the largest bucket, or a row longer than w (a prefill chunk), runs eagerly too. capture=False (CPU, tests) runs
+static buffers and the graph keys by LoRA module groups, steps with expert LoRA run eagerly. Any step whose rows all
+have at most w tokens fits (a step of short prompts' prefills too); one with more rows than the largest bucket, or a
+longer row (a prefill chunk), runs eagerly. capture=False (CPU, tests) runs
 the same staging and calls the forward where CUDA would replay.
 
 Decode rows go through the prefill kernel here (query length 1), the decode kernel in the eager path: the same
