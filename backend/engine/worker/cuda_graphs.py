@@ -25,7 +25,8 @@ expert LoRA, prompt logprobs or more than the largest bucket's sequences run eag
 
 capture=False (CPU, tests) runs the same staging and padding and calls the forward eagerly where CUDA would
 replay: identical tokens with and without this path is what the CPU tests check. The CUDA-only part is
-_CapturedGraph.
+_CapturedGraph. Speculative decoding's verify steps replay graphs of their own on this machinery (tokens_of, the
+staging and replay; loom.engine.worker.verify_graphs).
 """
 from __future__ import annotations
 
