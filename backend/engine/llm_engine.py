@@ -171,6 +171,8 @@ class LLMEngine:
         runs after."""
         if self.adapters is not None:
             self.adapters.close()
+        if getattr(self, "draft", None) is not None:
+            self.draft.close()  # its adapters' loader
         if self.ranks is not None:
             self.ranks.close()
 
@@ -244,6 +246,8 @@ class LLMEngine:
             raise
         if refs:  # its adapter moves toward the device while it waits (acquire started the read from disk)
             self.adapters.prefetch(refs[0])
+            if self.draft is not None:  # and the draft model's adapter of the same name, if it has one
+                self.draft.prefetch(refs[0])
         seqs = {}
         for i in range(params.n):  # vLLM's child seeds: seed + index
             seed = (params.seed + i) % (1 << 63) if params.seed is not None else self._rng.getrandbits(63)

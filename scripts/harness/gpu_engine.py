@@ -1,11 +1,14 @@
 """gpu_check sections `engine` (the engine vs transformers) and `lora` (multi-LoRA vs PEFT) on the device.
 
 engine: small random models covering GQA groups 1/4/8, head_dim 64/128, Qwen2 q/k/v bias and tied embeddings
-(--cpu-smoke: one model, smaller heads). Three engines per model, the fewest that cover the cases (engines()), each
-with small limits (ENGINE_LIMITS) so its start-up warm-up compiles and captures no more than the checks can reach.
+(--cpu-smoke: one model, smaller heads). Three engines per model (four on the first), the fewest that cover the cases
+(engines()), each with small limits (ENGINE_LIMITS) so its start-up warm-up compiles and captures no more than the
+checks can reach.
 fp32 with CUDA graphs and a 12-block KV cache: the mixed plan (mixed prefill/decode steps, a duplicate prompt in
 one step, prefix-cache hits), then the preemption plan; fp32 eager under a 16-token budget: the chunked plan and
-the mixed plan chunked. Greedy tokens must equal transformers' generate, and each plan asserts what it is for
+the mixed plan chunked; on the first model, fp32 with speculative decoding (the model its own draft): the mixed plan
+with every later decode step a verify step replaying a verify graph. Greedy tokens must equal transformers' generate,
+and each plan asserts what it is for
 happened (mixed steps, prefix hits, chunks, preemptions, graph replays on the graphs engines and none on the
 eager one; --cpu-smoke runs the graph path without capture). In bfloat16 the
 engine's tokens are teacher-forced through transformers in float32 on the same bf16-rounded weights: the
@@ -159,7 +162,30 @@ def engines() -> dict:
         "fp32 eager, 16-token budget": ("float32", dict(cuda_graphs=False, max_num_batched_tokens=16), [
             ("chunked prefill", "chunked"), ("mixed schedule chunked, every step eager", "mixed")]),
         "bf16 graphs": ("bfloat16", {}, [("mixed schedule vs the fp32 oracle on bf16-rounded weights", "mixed")]),
+        # the first model only: the model is its own draft, so every step after a request's first token verifies
+        # proposals (all accepted in fp32), through the verify graphs (loom.engine.worker.verify_graphs)
+        SPEC_ENGINE: ("float32", dict(speculative_config=SELF_DRAFT), [
+            ("speculative decoding, verify steps replaying CUDA graphs", "mixed")]),
     }
+
+
+SPEC_ENGINE = "fp32 graphs, speculative (its own draft)"
+SELF_DRAFT = "self"  # build_engine: speculative_config with the engine's own model as the draft
+
+
+def check_spec(eng, model, plan) -> dict:
+    """Greedy tokens identical to transformers with every decode step after the first a verify step, and the verify
+    steps replayed as CUDA graphs (on CPU: the emulated path)."""
+    plan, n, _ = plan
+    res = drive(eng, plan, _greedy(n))
+    for _, rid, prompt, _ in plan:
+        assert res[rid]["tokens"] == hf_greedy(model, prompt, n), f"{rid} diverged from transformers"
+    st = eng.stats().spec_decoding
+    replays = eng.runner.verify_graphs.replays if eng.runner.verify_graphs is not None else 0
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens, f"acceptance {st}"
+    assert replays > 0, "no verify step replayed a CUDA graph"
+    assert_no_leak(eng)
+    return {"verify_graph_steps": replays, "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens}
 
 
 def kv_block_bytes(model, dtype_bytes: int = 4) -> int:
@@ -170,6 +196,8 @@ def kv_block_bytes(model, dtype_bytes: int = 4) -> int:
 
 def build_engine(path, model, dev, dtype, kw) -> object:
     kw = dict(ENGINE_LIMITS, **kw)
+    if kw.get("speculative_config") == SELF_DRAFT:
+        kw["speculative_config"] = dict(method="draft_model", model=path, num_speculative_tokens=3, backoff="off")
     blocks = kw.pop("kv_blocks", None)
     if blocks is not None:
         kw["kv_cache_memory_bytes"] = blocks * kv_block_bytes(model)
@@ -270,6 +298,8 @@ def run_engine(rec, opts) -> None:
         model = model.to(dev)
         oracles = {"float32": model}
         for ename, (dtype, kw, cases) in engines().items():
+            if ename == SPEC_ENGINE and label != model_configs(opts.smoke and not opts.plan)[0][0]:
+                continue
             holder = {}
 
             def start(dtype=dtype, kw=kw, model=model):
@@ -280,7 +310,7 @@ def run_engine(rec, opts) -> None:
                 continue
             if dtype not in oracles:
                 oracles[dtype] = bf16_rounded(copy.deepcopy(model))
-            check = check_fp32 if dtype == "float32" else check_bf16
+            check = check_spec if ename == SPEC_ENGINE else check_fp32 if dtype == "float32" else check_bf16
             for cname, pname in cases:
                 rec.run(f"{label}: {ename}: {cname}", check, holder["eng"], oracles[dtype], sched[pname])
             del holder["eng"]

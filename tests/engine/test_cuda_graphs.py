@@ -191,3 +191,59 @@ def test_tp_ranks_must_capture_the_same_graphs_in_the_same_order():
         check_same_graphs(_Ranks(describe_graphs(plan[:2])), plan, "plan to capture")
     with pytest.raises(RuntimeError, match=r"rank 1 captured \[\(1, None\), \(2, None\)"):
         check_same_graphs(_Ranks(describe_graphs(plan[1::-1] + plan[2:])), plan, "captured")
+
+
+def test_verify_steps_replay_graphs_token_identical_to_eager(lora_setup):
+    """Speculative decoding's verify steps (rows of 1 + k tokens beside plain decode rows, adapters and rows without
+    one mixed) through the verify-graph path: packed rows in a bucket of b rows x (1 + k) tokens, empty rows and
+    padding tokens past them, LoRA groups in static buffers. Tokens and logprobs as the eager path's; the padding
+    stores nothing in the KV cache."""
+    base, root, names = lora_setup
+    spec = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3, backoff="off")
+    kw = dict(max_num_batched_tokens=32, cuda_graph_max_batch=8, speculative_config=spec)
+    eager, graphs = _lora_llm(base, root, **kw), _lora_llm(base, root, **kw)
+    graphs.engine.runner.enable_graph_emulation()
+    vg = graphs.engine.runner.verify_graphs
+    assert vg.buckets == [1, 2, 4, 8] and vg.tokens_of(8) == 32
+    for llm in (eager, graphs):
+        nan_cache(llm)
+        for n in names:  # loaded before the steps: both engines schedule alike, whatever the loader's timing
+            llm.engine.adapters.load(n)
+    vocab = tiny_llama_config(layers=1).vocab_size
+    parts = random_prompts([3, 5, 4, 6, 2, 7], vocab, seed=4)
+    prompts = [parts[0] * 4, parts[1] * 3, parts[2] + parts[3], parts[3] * 3, parts[4] * 6, parts[5] * 2]
+    rows = [names[3], None, names[0], names[4], None, names[3]]
+    plan = [(i // 2, p, r) for i, (p, r) in enumerate(zip(prompts, rows))]
+    params = SamplingParams(max_tokens=16, logprobs=0, **GREEDY)
+    got_e, got_g = drive(eager, plan, params), drive(graphs, plan, params)
+    for k in got_e:
+        assert got_g[k][0] == got_e[k][0], k
+        assert max(abs(a - b) for a, b in zip(got_g[k][1], got_e[k][1])) < 1e-4, k
+    st = graphs.engine.stats().spec_decoding
+    assert vg.replays > 0 and st.num_accepted_tokens > 0, (vg.replays, st)
+    assert st == eager.engine.stats().spec_decoding
+    assert torch.equal(torch.isfinite(graphs.engine.runner.kv_cache), torch.isfinite(eager.engine.runner.kv_cache))
+    assert_no_leak(graphs.engine)
+
+
+def test_verify_graph_path_with_triton_kernels(lora_setup, monkeypatch):
+    """The same with the Triton kernels (interpreted; against the eager C++ path), as a captured verify graph
+    launches them: the prefill attention over every row (query length 1 + k at most, rows past the step's empty,
+    padding tokens in no row), the fused rope + store skipping the padding's slots, LoRA groups in static buffers.
+    The target is its own draft (every step after the first verifies k proposals, all accepted)."""
+    base, root, names = lora_setup
+    spec = dict(method="draft_model", model=base, num_speculative_tokens=2, backoff="off")
+    eager = _lora_llm(base, root, max_num_batched_tokens=16, speculative_config=spec)  # the C++ path: seconds faster
+    monkeypatch.setenv("LOOM_FORCE_TRITON", "1")
+    graphs = _lora_llm(base, root, max_num_batched_tokens=16, speculative_config=spec)
+    graphs.engine.runner.enable_graph_emulation()
+    prompts = random_prompts([3, 2, 2], tiny_llama_config().vocab_size, seed=9)
+    rows = [names[3], None, names[3]]
+    # rows of 3, 2 and 3 tokens (max_tokens cuts the second's proposals) in bucket 4: padding tokens, an empty row
+    params = [SamplingParams(max_tokens=n, **GREEDY) for n in (4, 3, 4)]
+    for llm in (eager, graphs):
+        llm.engine.adapters.load(names[3])
+    outs = [llm.generate(prompts, params, lora_names=rows) for llm in (eager, graphs)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert graphs.engine.runner.verify_graphs.replays > 0
+    assert graphs.engine.stats().spec_decoding.num_accepted_tokens > 0

@@ -3,6 +3,8 @@ cancellation) against real oracles: greedy tokens identical to the engine withou
 distributed as the target's (chi-square against transformers), KV blocks all returned, bad configs refused."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -242,3 +244,79 @@ def test_target_as_its_own_draft_accepts_everything_on_other_families(arch, tmp_
     st = spec_stats(spec)
     assert st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens, st
     assert_no_leak(spec.engine)
+
+
+# ---- the draft model's own adapters (draft_adapter_roots) ------------------------------------------------------
+def _gen_with_twins_loaded(llm, prompts, params, lora):
+    """Greedy tokens per prompt; the requests are added (their twins' reads start), the twins' loads awaited, then
+    stepped: so every prefill's draft KV is computed with the twin, whatever the loader thread's timing."""
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params, lora)
+    while not eng.draft.adapters.registry.wait_for_loads(1.0):
+        pass
+    out = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_draft_adapter_twin_raises_acceptance_and_follows_target_reloads(models, tmp_path):
+    """The target as its own draft: with the twin of the request's adapter (the same adapter, under
+    draft_adapter_roots) the draft is the adapted target and every proposal is accepted; with no twin of that name the
+    bare draft's proposals mostly fail. Tokens are the plain engine's either way. After the target's adapter is
+    reloaded with other weights (and its twin rewritten alike), the draft reads its twin again: a stale twin would
+    drop the acceptance."""
+    import shutil
+
+    path, _, shared = models
+    roots, twins, empty = str(tmp_path / "adapters"), tmp_path / "twins", tmp_path / "none"
+    empty.mkdir()
+    shutil.copytree(os.path.join(shared, "a1"), os.path.join(roots, "a1"))  # rewritten below: not the module's
+    shutil.copytree(os.path.join(shared, "a1"), twins / "a1")
+    prompts = random_prompts([9, 14, 6], hf_config("llama").vocab_size, seed=21)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    kw = dict(block_size=8, kv_cache_memory_bytes=8 << 20, adapter_roots=[roots], max_lora_rank=8)
+    base = LLM(path, **kw)
+    want = run(base, prompts, [params] * len(prompts), ["a1"] * len(prompts))
+    rates = {}
+    for twin_root in (twins, empty):
+        spec = LLM(path, speculative_config=dict(draft_cfg(path), draft_adapter_roots=[str(twin_root)]), **kw)
+        assert _gen_with_twins_loaded(spec, prompts, params, "a1") == want
+        st = spec_stats(spec)
+        rates[twin_root] = (st.num_accepted_tokens, st.num_draft_tokens)
+        assert_no_leak(spec.engine)
+    (acc, drafted), (acc0, drafted0) = rates[twins], rates[empty]
+    assert drafted > 0 and acc == drafted, rates  # the twin: the adapted target itself
+    assert acc0 / drafted0 < 0.5, rates
+    # reload: new weights for the target's a1 and its twin; the engine with twins keeps accepting everything
+    spec = LLM(path, speculative_config=dict(draft_cfg(path), draft_adapter_roots=[str(twins)]), **kw)
+    assert _gen_with_twins_loaded(spec, prompts[:1], params, "a1") == want[:1]  # the old twin read and used
+    for d in (os.path.join(roots, "a1"), str(twins / "a1")):
+        make_peft_adapter(path, d, seed=77, target_modules=["q_proj", "v_proj", "down_proj"])
+    for llm in (base, spec):
+        llm.engine.adapters.reload("a1")
+    new = run(base, prompts, [params] * len(prompts), ["a1"] * len(prompts))
+    assert new != want
+    before = spec_stats(spec)
+    assert _gen_with_twins_loaded(spec, prompts, params, "a1") == new
+    after = spec_stats(spec)
+    assert after.num_draft_tokens > before.num_draft_tokens
+    assert after.num_accepted_tokens - before.num_accepted_tokens == after.num_draft_tokens - before.num_draft_tokens
+    assert_no_leak(spec.engine)
+
+
+def test_bad_draft_adapter_roots_are_refused_naming_the_field(models, tmp_path):
+    from loom.engine.config import EngineConfig
+
+    path, _, _ = models
+    (tmp_path / "file").write_text("x")
+    for roots in ([str(tmp_path / "missing")], [str(tmp_path / "file")], "dir", [3]):
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(speculative_config=dict(draft_cfg(path), draft_adapter_roots=roots))
+        assert e.value.field == "speculative_config.draft_adapter_roots"
+    with pytest.raises(ConfigError) as e:  # prompt lookup has no draft model
+        EngineConfig(speculative_config=dict(NGRAM, draft_adapter_roots=[str(tmp_path)]))
+    assert e.value.field == "speculative_config.draft_adapter_roots"

@@ -3,7 +3,8 @@ disable_by_batch_size) and loom's backoff, validated at construction with errors
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 
 from loom.errors import ConfigError
 
@@ -21,6 +22,9 @@ class SpeculativeConfig:
     # to generate tokens faster than plain ones (loom.engine.spec_decode.backoff); "off" speculates in every step the
     # cap allows.
     backoff: str = "measured"
+    # Not vLLM's: folders of the draft model's own PEFT adapters. A request with adapter `name` runs the draft with
+    # `<root>/<name>` (its "twin") where one exists, else without an adapter (loom.engine.spec_decode.draft_adapters).
+    draft_adapter_roots: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -44,6 +48,13 @@ class SpeculativeConfig:
         check(is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
               "prompt_lookup_max", f"must be an integer in [prompt_lookup_min={self.prompt_lookup_min}, 64], "
                                    f"got {self.prompt_lookup_max!r}")
+        roots = self.draft_adapter_roots
+        check(isinstance(roots, list) and all(isinstance(r, str) and r for r in roots), "draft_adapter_roots",
+              f"must be a list of directory paths, got {roots!r}")
+        for r in roots:
+            check(os.path.isdir(r), "draft_adapter_roots", f"{r!r} is not an existing directory")
+        check(not roots or self.method == "draft_model", "draft_adapter_roots",
+              "is only for method draft_model (the draft model's adapters); leave it empty for ngram")
         check(self.backoff in ("measured", "off"), "backoff", f"must be measured or off, got {self.backoff!r}")
         check(is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 0, "disable_by_batch_size",
               f"must be an integer >= 0 (0 = never), got {self.disable_by_batch_size!r}")

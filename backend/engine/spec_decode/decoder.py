@@ -24,8 +24,8 @@ Penalties: each verify row's penalties are computed from the outputs before it (
 the persistent penalty state is rewritten with the new outputs (SamplingState.resync_output).
 
 Not speculated: a request's first token, requests with "speculative": false, and every decode of a step the
-back-off (`active()`, loom.engine.spec_decode.backoff) leaves to the plain path. Verify rows run eagerly (a step
-with one is not decode-only: no CUDA graph).
+back-off (`active()`, loom.engine.spec_decode.backoff) leaves to the plain path. A step of decode and verify rows
+replays a verify graph under CUDA graphs (loom.engine.worker.verify_graphs).
 """
 from __future__ import annotations
 

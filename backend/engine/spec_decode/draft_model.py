@@ -13,7 +13,9 @@ random rows: a counter-uniform draw from its own stream, so seeded requests repr
 mask of the grammar's state after d_1..d_{j-1} (a fork of the sequence's matcher). The draft's KV of those
 positions is written into the sequence's blocks past its computed tokens; the verify row rewrites them.
 
-The target runs with the request's LoRA adapter; the draft runs without one.
+The target runs with the request's LoRA adapter; the draft runs without one, or with the draft adapter of the same
+name under speculative_config.draft_adapter_roots (loom.engine.spec_decode.draft_adapters), in its proposing
+forwards and its mirror of the target's.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from loom.engine.core.scheduler import ScheduledBatch
 from loom.engine.core.sequence import Sequence
 from loom.engine.sample.sampler import SAMPLING_EPS, Sampler, SamplingBatch
 from loom.engine.sample.sampling_rng import counter_uniform, mix64, sample_from_logits
+from loom.engine.spec_decode.draft_adapters import DraftAdapters
 from loom.errors import ConfigError
 from loom.kernels import argmax
 from loom.layers.forward_context import forward_context
@@ -105,11 +108,27 @@ def check_vocabulary(target_dir: str, draft_dir: str, target_vocab: int, draft_v
 
 
 class DraftModel:
-    def __init__(self, runner, vocab_size: int):
+    def __init__(self, runner, vocab_size: int, adapters: DraftAdapters | None = None):
         self.runner = runner  # loom.engine.worker.model_runner.ModelRunner of the draft, KV blocks as the target's
         self.vocab_size = vocab_size
         self.device = runner.device
         self.sampler = Sampler()
+        self.adapters = adapters  # the draft's own adapters (draft_adapter_roots), or None
+
+    def prefetch(self, target) -> None:
+        """A request with target adapter `target` (an AdapterRef) arrived: its twin starts loading."""
+        if self.adapters is not None:
+            self.adapters.prefetch(target)
+
+    def close(self) -> None:
+        if self.adapters is not None:
+            self.adapters.close()
+
+    def _lora(self, seqs, num_tokens: list[int]):
+        """The draft forward's LoRA metadata (each sequence's twin of its target adapter), or None."""
+        if self.adapters is None or all(s.adapter is None for s in seqs):
+            return None
+        return self.adapters.meta([s.adapter for s in seqs], num_tokens)
 
     @classmethod
     def load(cls, config, target_dir: str):
@@ -127,13 +146,16 @@ class DraftModel:
                        max_model_len=max_len, lora_memory_bytes=0, lora_expert_memory_bytes=0, adapter_roots=[],
                        adapter_sources=[])
         runner = ModelRunner(dcfg, path, defer_kv=True)
-        return cls(runner, runner.vocab_size)
+        # the twins' pools exist before the target sizes its KV cache (on CUDA its profile sees them as used)
+        adapters = DraftAdapters(config, runner) if config.speculative_config.draft_adapter_roots else None
+        return cls(runner, runner.vocab_size, adapters)
 
     def mirror(self, batch: ScheduledBatch) -> None:
-        """The target's step over the draft: the same tokens at the same slots, KV only (no logits, no adapter)."""
+        """The target's step over the draft: the same tokens at the same slots, KV only (no logits), each sequence with
+        its twin adapter if it has one."""
         r = self.runner
         with torch.inference_mode():
-            ids, ctx, _ = r.prepare(batch, None)
+            ids, ctx, _ = r.prepare(batch, self._lora(batch.seqs, batch.num_scheduled_tokens))
             ctx = replace(ctx, logits_indices=ctx.logits_indices[:0])
             with forward_context(ctx):
                 r.forward(ids, ctx.positions, ctx.logits_indices)
@@ -148,8 +170,9 @@ class DraftModel:
         try:
             while live:
                 views = [_View(seqs[i]) for i in live]
+                lora = self._lora([seqs[i] for i in live], [1] * len(live))
                 with torch.inference_mode():
-                    logits, _ = self.runner.run(ScheduledBatch(views, [1] * len(views), len(views)), None)
+                    logits, _ = self.runner.run(ScheduledBatch(views, [1] * len(views), len(views)), lora)
                     toks, q = self._draw([seqs[i] for i in live], [forks[i] for i in live], logits, sampling_lists)
                 nxt = []
                 for row, i in enumerate(live):

@@ -25,7 +25,8 @@ expert LoRA, prompt logprobs or more than the largest bucket's sequences run eag
 
 capture=False (CPU, tests) runs the same staging and padding and calls the forward eagerly where CUDA would
 replay: identical tokens with and without this path is what the CPU tests check. The CUDA-only part is
-_CapturedGraph.
+_CapturedGraph. Speculative decoding's verify steps replay graphs of their own on this machinery (tokens_of, the
+staging and replay; loom.engine.worker.verify_graphs).
 
 Tensor parallelism: every rank captures its own graphs, the model's collectives (NCCL all-reduces) inside them. A
 capture records a collective without running it, so the ranks must record theirs in the same order: capture_all
@@ -143,12 +144,17 @@ class DecodeGraphs:
             self._graphs[(b, key)] = g
         return g
 
+    def tokens_of(self, b: int) -> int:
+        """Token rows of bucket b's graph (a decode row is one token)."""
+        return b
+
     def _static_lora(self, b: int, key: frozenset) -> LoraBatchMeta:
         dev = self.runner.buffers.device_view
+        n = self.tokens_of(b)
         return LoraBatchMeta(
-            token_indices=dev("lora_tokens", b), seg_starts=dev("lora_seg", b + 1), row_start=dev("lora_rows", b),
+            token_indices=dev("lora_tokens", n), seg_starts=dev("lora_seg", b + 1), row_start=dev("lora_rows", b),
             ranks=dev("lora_ranks", b), scalings=dev("lora_scalings", b),
-            max_rank=self.runner.config.max_lora_rank, max_seg_len=b, module_groups=key)
+            max_rank=self.runner.config.max_lora_rank, max_seg_len=n, module_groups=key)
 
     def _static_ctx(self, b: int, rows: int, lora: LoraBatchMeta | None) -> ForwardContext:
         """The context over the static buffers' first b rows (rows: logits rows)."""
@@ -202,6 +208,13 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None:
             return None
+        key = self._serving_key(b, lora)
+        _, _, sampled = self.runner.prepare(batch, lora, pad_to=b, fill=fill)
+        return self._stage_and_replay(b, key, lora, fill, len(sampled)), sampled
+
+    def _serving_key(self, b: int, lora: LoraBatchMeta | None) -> frozenset | None:
+        """The graph key a step of bucket b with this LoRA grouping replays (a lazy capture's key, or the all-groups
+        graph once MAX_LORA_KEYS lazy keys exist)."""
         key = self.lora_key(lora)
         if self.capture and (b, key) not in self._graphs and key not in (None, self.lora_groups):
             lazy = {k for _, k in self._graphs} - {None, self.lora_groups}
@@ -209,22 +222,28 @@ class DecodeGraphs:
                 key = self.lora_groups  # zero rows for the groups no adapter targets: the same result
             else:
                 log.info("capturing the CUDA graph of batch %d with LoRA on %s", b, sorted(key))
+        return key
+
+    def _stage_and_replay(self, b: int, key: frozenset | None, lora: LoraBatchMeta | None, fill,
+                          num_logits: int) -> torch.Tensor:
+        """The step's inputs are staged (not committed): its LoRA rows too, commit, replay (under tensor parallelism
+        the workers replay the same graph over the same rows: run_sent); -> float32 logits of the first num_logits
+        logits_indices."""
         r = self.runner
-        _, _, sampled = r.prepare(batch, lora, pad_to=b, fill=fill)
         if key is not None:
             self._stage_lora(b, lora)
         r.buffers.commit()
-        r.fill_ids(r.buffers.device_view("input_ids", b), fill)
+        r.fill_ids(r.buffers.device_view("input_ids", self.tokens_of(b)), fill)
         if key is not None:
             r.buffers.device_view("lora_tokens", lora.token_indices.numel()).copy_(lora.token_indices,
                                                                                     non_blocking=True)
-        idx = r.buffers.device_view("logits_indices", len(sampled))
+        idx = r.buffers.device_view("logits_indices", num_logits)
         if r.tp is None:
-            return self._replay(b, key, idx), sampled
-        with r.tp.step_guard():  # the workers replay the same graph over the same rows (run_sent)
+            return self._replay(b, key, idx)
+        with r.tp.step_guard():
             ids = r.buffers.device_view("input_ids", b)
-            r.send_step(ids, self._static_ctx(b, len(sampled), None if key is None else lora), (b, key))
-            return self._replay(b, key, idx), sampled
+            r.send_step(ids, self._static_ctx(b, num_logits, None if key is None else lora), (b, key))
+            return self._replay(b, key, idx)
 
     def _replay(self, b: int, key: frozenset | None, idx: torch.Tensor) -> torch.Tensor:
         # a graph first needed now is captured over this step's staged inputs (its first run is this step's)

@@ -7,7 +7,8 @@ stand-in cache (every layer shares it; every table points at block 0, where the 
 - the sampler's working set at max_num_seqs rows (logits, softmax, a full sort for top-p/top-k);
 - with CUDA graphs, the forward a capture of the largest bucket records (loom.engine.worker.cuda_graphs), on the
   runner's capture stream, after one unmeasured run there that makes that stream's cuBLAS workspaces (kept for the
-  process's life: in the memory in use below, like the step buffers and the graphs' output rows).
+  process's life: in the memory in use below, like the step buffers and the graphs' output rows); with speculative
+  decoding the larger of it and the largest verify bucket's forward (loom.engine.worker.verify_graphs: same pool).
 What capture keeps is then known by construction (see cuda_graphs): one shared pool as large as that forward's
 peak, since no capture keeps a tensor of its own and the largest is captured first; no logits (lm_head runs
 after the replay, on the sampled rows, within the sampler's transient); no stream but the one already profiled.
@@ -78,6 +79,11 @@ def kv_cache_budget(runner) -> int:
             with torch.cuda.stream(runner.capture_stream()):
                 dg.run_padding(dg.max_batch)  # the stream's lazy state: kept, so counted in `used` below
                 graphs = _peak(lambda: dg.run_padding(dg.max_batch))
+                if runner.verify_hidden is not None:  # the verify graphs share the pool: the larger forward sizes it
+                    from loom.engine.worker.verify_graphs import VerifyGraphs
+
+                    vg = VerifyGraphs(runner, capture=False)
+                    graphs = max(graphs, _peak(lambda: vg.run_padding(vg.max_batch)))
     finally:
         for layer, kv in zip(attn, before):
             layer.k_cache, layer.v_cache = kv

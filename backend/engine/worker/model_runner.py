@@ -5,8 +5,9 @@ Input preparation is vectorized with numpy over the step's tokens, written into 
 slicing each sequence's new token ids and block table. Block tables are as wide as max_model_len (so kernel
 arguments never change with the step) and hold stale ids past each sequence's blocks, which are never read.
 
-Decode-only steps replay CUDA graphs (loom.engine.worker.cuda_graphs) when they are on; prefills, mixed steps and
-anything else run eagerly here, which is also the reference the graph path is tested against.
+Decode-only steps replay CUDA graphs (loom.engine.worker.cuda_graphs) when they are on, and so do speculative
+decoding's verify steps (loom.engine.worker.verify_graphs); prefills, mixed steps and anything else run eagerly here,
+which is also the reference the graph paths are tested against.
 
 With tensor parallelism (`tp`, loom.distributed) every rank runs this runner over its shard: rank 0 (the engine's)
 prepares each step, broadcasts its inputs and gets the gathered logits; the workers run the same forward on what
@@ -79,9 +80,14 @@ class ModelRunner:
         hidden = int(hf_cfg.hidden_size)
         self.graph_hidden = torch.empty((self.graph_max_batch(), hidden), dtype=self.dtype, device=self.device) \
             if config.cuda_graphs else None
+        # ... and the verify graphs' (speculative decoding: 1 + k tokens per row)
+        self.verify_hidden = torch.empty((self.verify_graph_max_batch() * self.verify_width(), hidden),
+                                         dtype=self.dtype, device=self.device) \
+            if config.cuda_graphs and self.verify_graph_max_batch() else None
         self._capture_stream = None
         self._table_rows: dict[int, np.ndarray] = {}  # host slot -> what its block-table rows hold
         self.graphs = None  # loom.engine.worker.cuda_graphs.DecodeGraphs, made by warm_up() (or for a CPU test)
+        self.verify_graphs = None  # loom.engine.worker.verify_graphs.VerifyGraphs, likewise (speculative decoding)
         self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
         self.num_blocks = 0
         self.kv_cache = None
@@ -104,7 +110,7 @@ class ModelRunner:
         return StepBuffers({
             "input_ids": (i64, t), "positions": (i64, t), "slot_mapping": (i64, t),
             "fill_pos": (i64, s), "fill_src": (i64, s), "logits_indices": (i64, s + t),
-            "lora_tokens": (i64, lb),
+            "lora_tokens": (i64, max(lb, self.verify_graph_max_batch() * self.verify_width())),
             "cu_seqlens": (i32, s + 1), "prefill_cu": (i32, s + 1), "seq_lens": (i32, s),
             "lora_seg": (i32, lb + 1), "lora_rows": (i32, lb), "lora_ranks": (i32, lb),
             "block_tables": (i32, s * self.max_blocks_per_seq),
@@ -116,6 +122,17 @@ class ModelRunner:
         c = self.config
         cap = c.cuda_graph_max_batch or 256
         return max(1, min(cap, c.max_num_seqs, c.max_num_batched_tokens))
+
+    def verify_width(self) -> int:
+        """Query tokens of a verify row: 1 + num_speculative_tokens (1 without speculative decoding)."""
+        spec = self.config.speculative_config
+        return 1 + spec.num_speculative_tokens if spec is not None else 1
+
+    def verify_graph_max_batch(self) -> int:
+        """The most rows of a verify step replayed as a CUDA graph (its padded tokens fit one step's); 0 = none."""
+        if self.config.speculative_config is None or self.tp is not None:
+            return 0  # under tensor parallelism verify steps run eagerly: workers replay only rank 0's decode graphs
+        return min(self.graph_max_batch(), self.config.max_num_batched_tokens // self.verify_width())
 
     def capture_stream(self):
         """CUDA: the one stream every decode graph is warmed up and captured on, and the memory profile runs the
@@ -170,8 +187,10 @@ class ModelRunner:
         """CPU (tests): decode steps take the graph path - static buffers, batch-size buckets, padded rows - and
         run it eagerly where CUDA would replay a captured graph."""
         from loom.engine.worker.cuda_graphs import DecodeGraphs
+        from loom.engine.worker.verify_graphs import VerifyGraphs
 
         self.graphs = DecodeGraphs(self, capture=False)
+        self.verify_graphs = VerifyGraphs(self, capture=False) if self.verify_hidden is not None else None
         if self.tp is not None:  # every rank sets its path up in the same order, as the CUDA warm-up captures
             if self.tp.rank == 0:
                 send_capture(self.tp)  # the workers call this too
@@ -180,12 +199,13 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, lora: LoraBatchMeta | None,
                 extra_rows: list[int] | None = None, pad_to: int | None = None, fill: TokenFill | None = None,
-                ) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+                pad_seqs: int | None = None) -> tuple[torch.Tensor, ForwardContext, list[int]]:
         """Write the step into the persistent buffers; -> (input ids, forward context, sampled sequences).
 
         pad_to (decode-only steps, the graph path): rows past the batch up to pad_to are padding - token 0 at
         position 0, slot -1 (nothing stored), context length 0 (attention returns zeros) - and the context is
-        left to the caller (a graph reads the buffers it was captured with). fill (async scheduling): input ids
+        left to the caller (a graph reads the buffers it was captured with). pad_seqs: the graph's sequence rows when
+        they are not pad_to (a verify graph's b rows of 1 + k tokens). fill (async scheduling): input ids
         the step in flight is still sampling; staged here, written on the device by fill_ids() after the commit."""
         seqs, s, d = batch.seqs, len(batch.seqs), batch.num_decode_seqs
         decode_only = d == s  # one token per sequence (the usual decode step)
@@ -207,6 +227,7 @@ class ModelRunner:
             np.cumsum(counts, out=cu[1:])
         t = int(cu[-1])
         rows = t if pad_to is None else pad_to
+        seq_rows = 0 if pad_to is None else pad_seqs if pad_seqs is not None else pad_to
         buf = self.buffers
         buf.begin()
         ids = buf.host("input_ids", rows)
@@ -227,12 +248,12 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(s), counts)
             positions[:t] = np.arange(t, dtype=np.int64) - cu[:-1][seq_of_token] + starts[seq_of_token]
         width = self.max_blocks_per_seq
-        tables = buf.host("block_tables", max(s, rows if pad_to else 0), width)
+        tables = buf.host("block_tables", max(s, seq_rows), width)
         self._write_block_tables(tables, seqs, per_seq[:, 3], lens)
         bs = self.block_size
         slots = buf.host("slot_mapping", rows)
         slots[:t] = tables[seq_of_token, positions[:t] // bs].astype(np.int64) * bs + positions[:t] % bs
-        seq_lens = buf.host("seq_lens", max(s, rows if pad_to else 0))
+        seq_lens = buf.host("seq_lens", max(s, seq_rows))
         seq_lens[:s] = ends
         if pad_to is not None:  # padding rows of a graph batch
             ids[t:], positions[t:], slots[t:], seq_lens[s:] = 0, 0, -1, 0
@@ -315,6 +336,10 @@ class ModelRunner:
         No host sync on CUDA: the logits come back as a device tensor still being computed."""
         if self.graphs is not None and not extra_rows:
             out = self.graphs.run(batch, lora, fill)
+            if out is not None:
+                return out
+        if self.verify_graphs is not None:
+            out = self.verify_graphs.run(batch, lora, extra_rows, fill)
             if out is not None:
                 return out
         ids, ctx, sampled = self.prepare(batch, lora, extra_rows, fill=fill)

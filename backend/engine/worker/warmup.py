@@ -14,7 +14,8 @@ preparation and forward:
 - mixed steps (a prefill part at an odd row offset);
 - with LoRA pools attached: steps whose adapter groups reach every token-tile and rank-tile class up to
   max_lora_rank, and the shrink kernel with and without a split reduction for every LoRA module shape;
-- with CUDA graphs: the capture of every batch-size bucket (loom.engine.worker.cuda_graphs).
+- with CUDA graphs: the capture of every batch-size bucket (loom.engine.worker.cuda_graphs), and with speculative
+  decoding of every verify bucket (loom.engine.worker.verify_graphs).
 The synthetic steps read and write block 0 of the (still empty) KV cache. Under TRITON_INTERPRET or on CPU
 nothing is compiled and nothing runs. tests/engine/test_warmup.py checks the claim: it records each launch's
 specialisation key for sm_90 and compares serving's keys with the warm-up's.
@@ -63,7 +64,7 @@ def fake_batch(lengths: list[int], decode: int = 0, block_size: int = 16, comput
 class WarmupReport:
     steps: int = 0  # synthetic steps run
     lora_launches: int = 0  # direct LoRA shrink launches (split variants)
-    graphs: int = 0  # decode graphs captured
+    graphs: int = 0  # decode (and verify) graphs captured
     compiles: int | None = None  # Triton JIT compiles during the warm-up (None: not counted)
     seconds: float = 0.0
 
@@ -180,6 +181,11 @@ def warm_up(runner) -> WarmupReport:
 
             runner.graphs = DecodeGraphs(runner, capture=runner.device.type == "cuda")
             rep.graphs = runner.graphs.capture_all()
+            if runner.verify_hidden is not None:  # speculative decoding's verify steps (their own buckets)
+                from loom.engine.worker.verify_graphs import VerifyGraphs
+
+                runner.verify_graphs = VerifyGraphs(runner, runner.graphs.capture, pool=runner.graphs._pool)
+                rep.graphs += runner.verify_graphs.capture_all()
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     finally:
