@@ -9,8 +9,9 @@ adjacent. A bfloat16 engine packs its quantized weights this way where the CPU h
 (engine/worker/cpu.pack_quantized_weights); elsewhere they run the float32 kernel (cpu_quant.py), x widened and y
 rounded. `emulate=True` runs the same algorithm in plain C++ on any CPU (tests).
 
-Not the float32 kernel's bits: y = sum_g scale_g (sum_{k in g} x_k q_k - zero_g sum_{k in g} x_k), each sum in float32,
-within gamma_(K + G + 4) of the exact result relative to sum_k |x_k| |scale| (|q_k| + |zero|), then the bfloat16 rounding.
+Not the float32 kernel's bits: y = sum_g scale_g (sum_{k in g} x_k q_k - zero_g sum_{k in g} x_k), each sum in
+float32, within gamma_(K + G + 4) of the exact result relative to sum_k |x_k| |scale| (|q_k| + |zero|), then the
+bfloat16 rounding; a row's bits do not depend on the rows beside it.
 Memory: as PackedQuantWeight's (N * K or N * K / 2 bytes, plus the scales).
 """
 from __future__ import annotations
