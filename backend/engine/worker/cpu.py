@@ -116,8 +116,14 @@ def apply_path(model: nn.Module, path) -> None:
     if path.quant == CPU:
         n, nbytes = pack_quantized_weights(model)
         if n:
+            from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
+            from loom.layers.quant_linear import QuantLinear
+
+            bf16 = sum(isinstance(w, PackedQuantBf16) for m in model.modules() if isinstance(m, QuantLinear)
+                       for _, w in m.parts)
             log.info("re-laid out %d quantized linear layers' weights (%.1f MB) for the C++ weight-only GEMM in "
-                     "%.2fs", n, nbytes / 1e6, time.perf_counter() - t)
+                     "%.2fs%s", n, nbytes / 1e6, time.perf_counter() - t,
+                     f" ({bf16} parts for the bfloat16 one, VDPBF16PS)" if bf16 else "")
     if not path.packed:
         return
     t = time.perf_counter()
