@@ -82,6 +82,7 @@ _SIGNATURES = {
     "loom_quant_gemm_bf16": [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _F32, _P, _I64, _I64, _P, _P, _I64, _I32, _I32,
                              _I32],
     "loom_quant_gemm_bf16_panel_width": [],
+    "loom_quant_gemm_bf16_built": [],
     "loom_gemm_bf16_built": [],
     "loom_gemm_bf16_panel_width": [],
     "loom_gemm_bf16_pack": [_P, _I64, _I64, _P],
@@ -101,7 +102,7 @@ ISAS = (("AVX-512", ("avx512f", "avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf
 # the others return nothing
 _RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64, "loom_quant_gemm_direct_rows": _I64,
              "loom_gemm_bf16_built": _I64, "loom_gemm_bf16_panel_width": _I64,
-             "loom_quant_gemm_bf16_panel_width": _I64}
+             "loom_quant_gemm_bf16_panel_width": _I64, "loom_quant_gemm_bf16_built": _I64}
 
 
 @functools.lru_cache(maxsize=None)

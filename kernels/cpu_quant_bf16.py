@@ -56,7 +56,8 @@ def takes(qw: QuantizedWeight) -> bool:
 
 def runs_here() -> bool:
     """Whether the VDPBF16PS kernel runs on this CPU (avx512_bf16 and a library built with it)."""
-    return loom_bf16_gemm()
+    lib = cpu_ext.load()
+    return lib is not None and loom_bf16_gemm(lib) and bool(lib.loom_quant_gemm_bf16_built())
 
 
 class PackedQuantBf16:

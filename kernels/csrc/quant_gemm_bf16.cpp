@@ -34,7 +34,14 @@ inline uint16_t bf16_bits_of_small_int(int i) {  // exact: |i| < 256
 }
 }  // namespace
 
-#if LOOM_HAVE_BF16_GEMM
+// the native build needs GCC's target pragma (clang builds the emulated one only: loom_quant_gemm_bf16_built() 0)
+#if LOOM_HAVE_BF16_GEMM && !defined(__clang__)
+#define LOOM_HAVE_QUANT_BF16 1
+#else
+#define LOOM_HAVE_QUANT_BF16 0
+#endif
+
+#if LOOM_HAVE_QUANT_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 namespace qbf_native {
@@ -184,6 +191,9 @@ extern "C" {
 
 int64_t loom_quant_gemm_bf16_panel_width() { return QB_NR; }
 
+// 1 where the library has the VDPBF16PS build of loom_quant_gemm_bf16; the CPU's flags decide the rest
+int64_t loom_quant_gemm_bf16_built() { return LOOM_HAVE_QUANT_BF16; }
+
 // y [M, N] (row stride ldc; bfloat16, or float32 with out_f32) = x [M, Kp] bfloat16 (row stride lda, zero past the
 // weight's K) @ dequant(W)^T + bias (float32, nullable), W packed by kernels/cpu_quant_bf16.py (u4: int4 nibble
 // pairs, else int8 bytes); scales / zero points (nullable: every zero point zc) [P, G, 48]; gb [G + 1]. emulate: the
@@ -205,7 +215,7 @@ void loom_quant_gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t Kp,
       else
         qbf_emu::panels<false>(A, lda, M, Kp, Bq, S, Z, zc, gb, G, N, bias, C, ldc, out_f32, sx, scratch, t, nt);
     } else {
-#if LOOM_HAVE_BF16_GEMM
+#if LOOM_HAVE_QUANT_BF16
       if (u4)
         qbf_native::panels<true>(A, lda, M, Kp, Bq, S, Z, zc, gb, G, N, bias, C, ldc, out_f32, sx, scratch, t, nt);
       else

@@ -196,8 +196,7 @@ def test_greedy_tokens_equal_transformers_on_dequantised_weights(root, case_id, 
     check(llm, hf, random_prompts([3, 21, 40], hf.config.vocab_size, seed=5), 8)
 
 
-@pytest.mark.parametrize("case_id,family,how", [CASES[1], CASES[10]], ids=["ct-w4a16-asym-phi3", "gptq-w8-llama"])
-def test_bfloat16_engine_runs_the_bfloat16_kernel(root, monkeypatch, case_id, family, how):
+def test_bfloat16_engine_runs_the_bfloat16_kernel(root, monkeypatch):
     """A bfloat16 engine re-lays its quantized projections out for the VDPBF16PS kernel (kernels/cpu_quant_bf16.py;
     here its plain C++ build where the CPU lacks avx512_bf16) holding the oracle's dequantised weights bit for bit,
     and decodes with it (its numerics: tests/kernels/test_cpu_quant_bf16.py)."""
@@ -205,7 +204,7 @@ def test_bfloat16_engine_runs_the_bfloat16_kernel(root, monkeypatch, case_id, fa
         monkeypatch.setattr(cpu_quant_bf16, "runs_here", lambda: True)
         monkeypatch.setattr(cpu_quant_bf16, "PackedQuantBf16",
                             _Emulated)
-    float_model, path = _make(root, case_id, family, how)
+    float_model, path = _make(root, *CASES[1])  # W4A16 asymmetric, groups of 128, Phi-3 (q|k|v stored fused)
     theirs = oracle(float_model, path).state_dict()
     llm = LLM(path, dtype="bfloat16", block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
     model = llm.engine.runner.model
