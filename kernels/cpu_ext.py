@@ -36,12 +36,22 @@ log = logging.getLogger("loom")
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "gemm_bf16.cpp", "pointwise.cpp", "argmax.cpp",
-                 "moe.cpp", "layer.cpp", "quant_gemm.cpp")
+                 "moe.cpp", "layer.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp")
+
+
+def _expand(text: str) -> str:
+    """text with each line `#include "NAME"` of a file in csrc/ replaced by that file's text (a body compiled more than
+    once, under different target options: quant_gemm_bf16.cpp); other includes are left to the compiler."""
+    lines = []
+    for line in text.splitlines():
+        name = line[len('#include "'):-1] if line.startswith('#include "') and line.endswith('"') else ""
+        lines.append((_CSRC / name).read_text() if name and (_CSRC / name).is_file() else line)
+    return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=None)
 def source() -> str:
-    return "\n".join((_CSRC / name).read_text() for name in _SOURCE_FILES)
+    return "\n".join(_expand((_CSRC / name).read_text()) for name in _SOURCE_FILES)
 
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -69,6 +79,10 @@ _SIGNATURES = {
     "loom_decoder_layer": [_P, _P, _P, _P, _P, _P, _P, _P],
     "loom_quant_gemm": [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _F32, _P, _I64, _I64, _P, _P, _I64, _I64, _I32],
     "loom_quant_gemm_direct_rows": [],
+    "loom_quant_gemm_bf16": [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _F32, _P, _I64, _I64, _P, _P, _I64, _I32, _I32,
+                             _I32],
+    "loom_quant_gemm_bf16_panel_width": [],
+    "loom_quant_gemm_bf16_built": [],
     "loom_gemm_bf16_built": [],
     "loom_gemm_bf16_panel_width": [],
     "loom_gemm_bf16_pack": [_P, _I64, _I64, _P],
@@ -87,7 +101,8 @@ ISAS = (("AVX-512", ("avx512f", "avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf
 
 # the others return nothing
 _RESTYPES = {"loom_gemm_panel_width": _I64, "loom_decoder_layer_workspace": _I64, "loom_quant_gemm_direct_rows": _I64,
-             "loom_gemm_bf16_built": _I64, "loom_gemm_bf16_panel_width": _I64}
+             "loom_gemm_bf16_built": _I64, "loom_gemm_bf16_panel_width": _I64,
+             "loom_quant_gemm_bf16_panel_width": _I64, "loom_quant_gemm_bf16_built": _I64}
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,7 @@ from loom.kernels.cpu_pointwise import (
     silu_and_mul_cpu,
 )
 from loom.kernels.cpu_quant import PackedQuantWeight, quant_linear_ref
+from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
 from loom.kernels.kv_store import store_kv_ref, store_kv_triton
 from loom.kernels.lora import lora_apply_triton, lora_expand_ref, lora_shrink_ref
 from loom.kernels.moe import fused_moe_lora_ref, fused_moe_ref, fused_moe_triton
@@ -164,12 +165,12 @@ def lora_apply(x, y, lora_a, lora_b, slice_offsets, meta):
 
 def quant_linear(x, w, bias=None):
     """x @ dequant(w)^T + bias for a weight kept quantized (layers/quant_linear.py): w a QuantizedWeight (Triton's
-    weight-only kernel on CUDA) or a cpu_quant.PackedQuantWeight (re-laid out at start where the C++ kernel runs);
-    the reference, dequantize + F.linear, otherwise."""
+    weight-only kernel on CUDA) or a cpu_quant.PackedQuantWeight / cpu_quant_bf16.PackedQuantBf16 (re-laid out at
+    start where a C++ kernel runs); the reference, dequantize + F.linear, otherwise."""
     path = for_tensor(x).quant
-    if path == TRITON and not isinstance(w, PackedQuantWeight):
+    if path == TRITON and not isinstance(w, (PackedQuantWeight, PackedQuantBf16)):
         return quant_gemm_triton(x, w, bias)
-    if path == CPU and isinstance(w, PackedQuantWeight):
+    if path == CPU and isinstance(w, (PackedQuantWeight, PackedQuantBf16)):
         return w(x, bias)
     return quant_linear_ref(x, w, bias)
 

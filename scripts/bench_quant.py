@@ -7,8 +7,10 @@ whose linear layers keep their weights quantized (the C++ weight-only GEMM on CP
 Batch B: B requests of --prompt-tokens random tokens arrive at once, greedy, --max-tokens new tokens each (EOS
 ignored); the decode rate is the tokens of every step after the first (the prefill) over their time. The engines are
 built once and measured in alternating rounds (--rounds), the median round reported, and each configuration's rate
-divided by bfloat16's and float32's at the same batch. The quantized checkpoints run float32 activations
-(`-f32`) and bfloat16 ones (`-bf16`: the other ops and lm_head, which stays unquantized, in bfloat16).
+divided by bfloat16's and float32's at the same batch (those in --configs) and by its own activations' dense
+configuration's (`/ same-dtype dense`: W4A16-bf16 by bfloat16, W8A16-f32 by float32). The quantized checkpoints
+run float32 activations (`-f32`) and bfloat16 ones (`-bf16`: the other ops and lm_head, which stays unquantized, in
+bfloat16).
 
     python scripts/bench_quant.py                       # batch 1 and 32, 1 thread
     python scripts/bench_quant.py --threads 2 --batch 1 32 --rounds 5
@@ -48,6 +50,14 @@ def decode_rate(engine, batch: int, args, seed: int) -> float:
         for out in engine.step():
             assert out.error is None, out.error
     return (engine.generation_tokens - g0) / (time.perf_counter() - t0)
+
+
+def same_dtype_dense(config: str) -> str:
+    """The dense configuration whose activations a configuration shares: W4A16-bf16 -> bfloat16, W8A16-f32 -> float32
+    (a dense one: itself)."""
+    if config in ("float32", "bfloat16"):
+        return config
+    return {"f32": "float32", "bf16": "bfloat16"}[config.split("-")[1]]
 
 
 def main() -> None:
@@ -94,14 +104,15 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in rates.items()}
         print(f"decode tokens/s, median of {args.rounds} rounds; {args.threads or 'all'} thread(s); "
               f"{args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens a request")
-        print("| config | batch | tokens/s | / bfloat16 | / float32 |")
-        print("| --- | --- | --- | --- | --- |")
+        dense = [c for c in ("bfloat16", "float32") if c in engines]
+        print("| config | batch | tokens/s | " + " | ".join(f"/ {d}" for d in dense) + " | / same-dtype dense |")
+        print("| --- " * (4 + len(dense)) + "|")
         for b in args.batch:
             for c in engines:
-                bf = med.get(("bfloat16", b))
-                f32 = med.get(("float32", b))
-                print(f"| {c} | {b} | {med[c, b]:.1f} | {med[c, b] / bf:.2f}x | {med[c, b] / f32:.2f}x |"
-                      if bf and f32 else f"| {c} | {b} | {med[c, b]:.1f} | | |")
+                same = same_dtype_dense(c)
+                cols = [med[c, b] / med[d, b] for d in dense] + [med[c, b] / med[same, b] if same in engines else None]
+                print(f"| {c} | {b} | {med[c, b]:.1f} | " + " | ".join("" if r is None else f"{r:.2f}x" for r in cols)
+                      + " |")
     finally:
         for e in engines.values():
             e.close()

@@ -24,7 +24,9 @@ from harness.quant_checkpoints import (
     pack_along,
 )
 from loom.engine.llm import LLM
+from loom.engine.sampling_params import SamplingParams
 from loom.errors import ConfigError
+from loom.kernels import cpu_quant_bf16
 from loom.kernels.cpu_quant import PackedQuantWeight
 from loom.layers.quant_linear import QuantLinear
 from loom.models.loader import ModelLoadError, load_hf_config
@@ -192,6 +194,36 @@ def test_greedy_tokens_equal_transformers_on_dequantised_weights(root, case_id, 
     llm = LLM(path, block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
     _assert_same_weights(llm, hf)
     check(llm, hf, random_prompts([3, 21, 40], hf.config.vocab_size, seed=5), 8)
+
+
+def test_bfloat16_engine_runs_the_bfloat16_kernel(root, monkeypatch):
+    """A bfloat16 engine re-lays its quantized projections out for the VDPBF16PS kernel (kernels/cpu_quant_bf16.py;
+    here its plain C++ build where the CPU lacks avx512_bf16) holding the oracle's dequantised weights bit for bit,
+    and decodes with it (its numerics: tests/kernels/test_cpu_quant_bf16.py)."""
+    if not cpu_quant_bf16.runs_here():
+        monkeypatch.setattr(cpu_quant_bf16, "runs_here", lambda: True)
+        monkeypatch.setattr(cpu_quant_bf16, "PackedQuantBf16",
+                            _Emulated)
+    float_model, path = _make(root, *CASES[1])  # W4A16 asymmetric, groups of 128, Phi-3 (q|k|v stored fused)
+    theirs = oracle(float_model, path).state_dict()
+    llm = LLM(path, dtype="bfloat16", block_size=16, kv_cache_memory_bytes=4 << 20, max_num_batched_tokens=32)
+    model = llm.engine.runner.model
+    for i, layer in enumerate(model.model.layers):
+        for mod_name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            mod = layer.get_submodule(mod_name)
+            assert all(isinstance(w, _BF16_CLASS) for _, w in mod.parts), f"layer {i} {mod_name}"
+            name = f"model.layers.{i}.{mod_name}.weight"
+            assert torch.equal(mod.dequantized(), _reference(theirs, name)), name
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+_BF16_CLASS = cpu_quant_bf16.PackedQuantBf16
+
+
+class _Emulated(_BF16_CLASS):
+    def __init__(self, w):
+        super().__init__(w, emulate=True)
 
 
 def test_activation_scheme_is_recorded(root):

@@ -116,8 +116,14 @@ def apply_path(model: nn.Module, path) -> None:
     if path.quant == CPU:
         n, nbytes = pack_quantized_weights(model)
         if n:
+            from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
+            from loom.layers.quant_linear import QuantLinear
+
+            bf16 = sum(isinstance(w, PackedQuantBf16) for m in model.modules() if isinstance(m, QuantLinear)
+                       for _, w in m.parts)
             log.info("re-laid out %d quantized linear layers' weights (%.1f MB) for the C++ weight-only GEMM in "
-                     "%.2fs", n, nbytes / 1e6, time.perf_counter() - t)
+                     "%.2fs%s", n, nbytes / 1e6, time.perf_counter() - t,
+                     f" ({bf16} parts for the bfloat16 one, VDPBF16PS)" if bf16 else "")
     if not path.packed:
         return
     t = time.perf_counter()
@@ -207,25 +213,36 @@ def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
     """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) and QuantExperts
     (layers/quant_experts.py) for the C++ weight-only GEMM
     (kernels/cpu_quant.PackedQuantWeight), dropping the checkpoint-layout copy; a part the kernel does not take
-    keeps its QuantizedWeight (the reference runs it). Returns (layers re-laid out, bytes of their panels)."""
+    keeps its QuantizedWeight (the reference runs it). A bfloat16 model's QuantLinear parts go to the bfloat16 kernel
+    (kernels/cpu_quant_bf16.PackedQuantBf16, VDPBF16PS) where the CPU has avx512_bf16 and the part is one it takes.
+    Returns (layers re-laid out, bytes of their panels)."""
+    from loom.kernels import cpu_quant_bf16
     from loom.kernels.cpu_quant import PackedQuantWeight, takes
     from loom.layers.quant_experts import QuantExperts
     from loom.layers.quant_linear import QuantLinear
     from loom.models.quant.weight import QuantizedWeight
 
     n, nbytes = 0, 0
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    bf16 = dtype == torch.bfloat16 and cpu_quant_bf16.runs_here()
 
-    def pack(w):
+    def pack(w, linear: bool):
         nonlocal nbytes
-        if not isinstance(w, QuantizedWeight) or not takes(w):
+        if not isinstance(w, QuantizedWeight):
             return w
-        packed = PackedQuantWeight(w)
+        if bf16 and linear and cpu_quant_bf16.takes(w):
+            packed = cpu_quant_bf16.PackedQuantBf16(w)
+        elif takes(w):
+            packed = PackedQuantWeight(w)
+        else:
+            return w
         packed.drop_source()
         nbytes += packed.nbytes()
         return packed
 
     for mod in model.modules():
         if isinstance(mod, (QuantLinear, QuantExperts)):
-            mod.map_parts(pack)
+            linear = isinstance(mod, QuantLinear)
+            mod.map_parts(lambda w: pack(w, linear))
             n += 1
     return n, nbytes
