@@ -86,8 +86,10 @@ def _decode_kernel(
         q_row = q_ptr + b.to(tl.int64) * stride_qb + (kvh * GROUP) * stride_qh
         q = _rope_rows(q_row, stride_qh, GROUP, cos, sin, partner, dd, D, G_PAD)[0].to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (start < end) & (end == seq_len) & (slot >= 0):  # the program whose keys hold this token (split: the last
-            # written partition)
+        here = (end == seq_len) & (slot >= 0)  # the program whose keys hold this token (split: the last written
+        if SPLIT:  # partition; the empty ones past it end at seq_len too)
+            here = here & (start < end)
+        if here:
             k, kmask = _rope_rows(k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh, stride_kh, 1, cos, sin, partner,
                                   dd, D, 1)
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + kvh * stride_ch + dd
@@ -106,8 +108,9 @@ def _decode_kernel(
     first = start
     if TILE_IN_BLOCK:  # tiles aligned to BLOCK_N, so each lies in one block (the first may begin before `start`)
         first = start - start % BLOCK_N
-    if start >= end:  # an empty partition: no tile
-        first = end
+    if SPLIT:
+        if start >= end:  # an empty partition: no tile
+            first = end
     for s in range(first, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pmask = pos < end
@@ -135,42 +138,50 @@ def _decode_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 -> zeros
-    o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT:
-        p_row = po_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + d[None, :]
-        ml_row = b * stride_mb + heads * stride_mh
+    if SPLIT:  # scalar bases of the group's first head: no pointer tile stays live across the ticket
+        p_base = po_ptr + b.to(tl.int64) * stride_pb + (kvh * GROUP) * stride_ph
+        ml_base = b * stride_mb + (kvh * GROUP) * stride_mh
         if start < end:
-            tl.store(p_row + split * stride_ps, out, mask=gd_mask)
-            tl.store(m_ptr + ml_row + split, m_i, mask=g < GROUP)
-            tl.store(l_ptr + ml_row + split, l_i, mask=g < GROUP)
+            tl.store(p_base + split * stride_ps + g[:, None] * stride_ph + d[None, :], out, mask=gd_mask)
+            tl.store(m_ptr + ml_base + g * stride_mh + split, m_i, mask=g < GROUP)
+            tl.store(l_ptr + ml_base + g * stride_mh + split, l_i, mask=g < GROUP)
         _merge_if_last(cnt_ptr + b * tl.num_programs(1) + kvh, tl.num_programs(2), tl.cdiv(seq_len - lo, part),
-                       p_row, stride_ps, m_ptr + ml_row, l_ptr + ml_row, o_ptr + o_off, g < GROUP, gd_mask, G_PAD,
+                       p_base, stride_ph, stride_ps, m_ptr + ml_base, l_ptr + ml_base, stride_mh,
+                       o_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP) * stride_oh, stride_oh, GROUP, G_PAD, D,
                        D_PAD)
     else:
+        o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
 @triton.jit
-def _merge_if_last(cnt, n_programs, n_valid, p_row, stride_ps, m_row, l_row, o_ptrs, g_mask, gd_mask,
-                   G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+def _merge_if_last(cnt, n_programs, n_valid, p_base, stride_ph, stride_ps, m_base, l_base, stride_mh, o_base,
+                   stride_oh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
     """Takes this program's ticket; the program with the last one merges the n_valid written partitions of its
     GROUP heads (two passes: the common max, then the weighted sum), writes the output and zeroes the counter."""
     tl.debug_barrier()  # every thread's partial stores before the ticket (one thread takes it, releasing them)
     ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if ticket == n_programs - 1:  # every other program of the sequence's kv head has released its partial
         tl.debug_barrier()  # the ticket's acquire before any thread's reads
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        g_mask = g < GROUP
+        gd_mask = g_mask[:, None] & (d < D)[None, :]
+        ml = g * stride_mh
         m_all = tl.full([G_PAD], _NEG, tl.float32)
         for s in range(0, n_valid):
-            m_all = tl.maximum(m_all, tl.load(m_row + s, mask=g_mask, other=_NEG, cache_modifier=".cg"))
+            m_all = tl.maximum(m_all, tl.load(m_base + ml + s, mask=g_mask, other=_NEG, cache_modifier=".cg"))
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         total = tl.zeros([G_PAD], tl.float32)
         for s in range(0, n_valid):
-            m = tl.load(m_row + s, mask=g_mask, other=_NEG, cache_modifier=".cg")
-            w = tl.load(l_row + s, mask=g_mask, other=0.0, cache_modifier=".cg") * tl.exp2(m - m_all)
+            m = tl.load(m_base + ml + s, mask=g_mask, other=_NEG, cache_modifier=".cg")
+            w = tl.load(l_base + ml + s, mask=g_mask, other=0.0, cache_modifier=".cg") * tl.exp2(m - m_all)
             total += w
-            acc += tl.load(p_row + s * stride_ps, mask=gd_mask, other=0.0, cache_modifier=".cg") * w[:, None]
+            po = tl.load(p_base + s * stride_ps + g[:, None] * stride_ph + d[None, :], mask=gd_mask, other=0.0,
+                         cache_modifier=".cg")
+            acc += po * w[:, None]
         out = acc / tl.where(total > 0, total, 1.0)[:, None]  # no partition written (seq_len 0) -> zeros
-        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=gd_mask)
+        tl.store(o_base + g[:, None] * stride_oh + d[None, :], out.to(o_base.dtype.element_ty), mask=gd_mask)
         tl.store(cnt, 0)  # every ticket is taken: zero for the next launch
 
 
@@ -202,14 +213,18 @@ def _auto_num_splits(q, B, KVH, max_ctx):
     return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // MIN_PART, 128))
 
 
-# Key tile and warps per padded head dim: (BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16
-# on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed for: no spills, and enough resident CTAs
-# (>= 3 of 4 warps per SM; 4-5 at head_dim 128 in a single pass, where the grid is large; flash-decoding's grid has
-# about 2 programs per SM, so 3 there) that their K/V tile loads (BLOCK_N * D * 2 bytes, K and V) keep >= 24 KB per SM
-# in flight, about what covers the memory latency at full bandwidth. Wider key tiles push the registers to the 255
-# cap (2 CTAs per SM) and spill at head_dim 128 on sm_90 (BLOCK_N 64). ROPE_STORE (the engine's decode rows) adds
-# 5-35 registers for the rope of q in float32 before the loop.
-DECODE_TILES = {16: (32, 4), 32: (32, 4), 64: (32, 4), 128: (16, 4), 256: (16, 4)}
+# Key tile, warps and register cap per padded head dim: (BLOCK_N, num_warps, maxnreg), chosen with
+# scripts/kernel_resources.py for bf16/fp16 on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed
+# for: no spills, and enough resident CTAs (>= 3 of 4 warps per SM; 4-5 at head_dim 128 in a single pass, where the
+# grid is large; flash-decoding's grid has about 2 programs per SM, so 3 there) that their K/V tile loads
+# (BLOCK_N * D * 2 bytes, K and V) keep >= 24 KB per SM in flight, about what covers the memory latency at full
+# bandwidth. Wider key tiles push the registers to the 255 cap (2 CTAs per SM) and spill at head_dim 128 on sm_90
+# (BLOCK_N 64). ROPE_STORE (the engine's decode rows) adds 5-35 registers for the rope of q in float32 before the loop.
+# The third entry: a register cap (ptxas .maxnreg, None = ptxas's choice). At head_dim 256, 168 (3 CTAs of 4 warps,
+# 65536 / 384 = 170 in the allocation's steps of 8): ptxas alone gives flash-decoding with rope_store 174 registers
+# (2 CTAs), under the cap 157 and no spills, and the single pass 125 instead of 134 (4 CTAs, not 3). Not set for the
+# other head dims: a cap makes ptxas use up to it (at 128 the split variant went from 113 registers to 157).
+DECODE_TILES = {16: (32, 4, None), 32: (32, 4, None), 64: (32, 4, None), 128: (16, 4, None), 256: (16, 4, 168)}
 
 MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others only take their ticket)
 
@@ -244,7 +259,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if B == 0:
         return out
     d_pad = pad_dim(D)
-    tile_n, num_warps = DECODE_TILES.get(d_pad, (16, 4))
+    tile_n, num_warps, maxnreg = DECODE_TILES.get(d_pad, (16, 4, None))
     block_n = block_n or tile_n
     max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
     if sliding_window is not None:
@@ -257,6 +272,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
                   HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
                   TILE_IN_BLOCK=block_size % block_n == 0, num_warps=num_warps)
+    if maxnreg:
+        common.update(maxnreg=maxnreg)
     if rope_store is None:
         step, step_strides, half = (q, q, q, q, q), (0,) * 5, 1
     else:

@@ -49,6 +49,7 @@ class Variant:
     num_warps: int
     num_stages: int
     compiled: object
+    maxnreg: int | None = None  # the launch's register cap, if it set one
 
 
 compiled: list[Variant] = []
@@ -63,7 +64,7 @@ class _Compiler:
         self.fn = fn
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, **kw):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kw):
             names = self.fn.arg_names
             bound = dict(zip(names, args)) | kw
             sig, consts = {}, {}
@@ -81,11 +82,13 @@ class _Compiler:
                     sig[name] = "fp32"
                 else:
                     raise TypeError(f"{name}: {type(v)}")
+            options = {"num_warps": num_warps, "num_stages": num_stages}
+            if maxnreg is not None:
+                options["maxnreg"] = maxnreg
             for target in targets:
-                k = triton.compile(ASTSource(self.fn, sig, consts), target=target,
-                                   options={"num_warps": num_warps, "num_stages": num_stages})
+                k = triton.compile(ASTSource(self.fn, sig, consts), target=target, options=options)
                 compiled.append(Variant(self.fn.__name__, _launching["group"], _launching["dtype"], target, consts,
-                                        num_warps, num_stages, k))
+                                        num_warps, num_stages, k, maxnreg))
         return launch
 
 

@@ -148,7 +148,8 @@ def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=
     opts.update(num_splits=num_splits, block_n=block_n, split_counters=counters)
     paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, **opts)
     assert not counters.any(), f"a launch left ticket counters non-zero: {counters.tolist()}"
-    if dtype == torch.float32 or torch.device(device).type != "cpu":  # the counters serve the next launch (a replay)
+    # the counters serve the next launch as they served this one (a graph replay); split launches only use them
+    if num_splits != 1 and (dtype == torch.float32 or torch.device(device).type != "cpu"):
         again = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
         paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=again, **opts)
         assert torch.equal(again, out) and not counters.any(), "a second launch over the same counters differs"
