@@ -74,13 +74,15 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
 
 
 def rope_store_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                                seq_lens, scale, out=None, sliding_window=None, softcap=None):
-    """Decode rows (one token per sequence): rotary_store_kv, then paged_decode_attention; on Triton one launch (plus
-    flash-decoding's reduction), which leaves q and k as they were (only the caches and out are written)."""
+                                seq_lens, scale, out=None, sliding_window=None, softcap=None, split_counters=None):
+    """Decode rows (one token per sequence): rotary_store_kv, then paged_decode_attention; on Triton one launch
+    (flash-decoding included: it merges its partitions in that launch, with split_counters' tickets), which leaves q
+    and k as they were (only the caches and out are written)."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
                                              sliding_window=sliding_window, softcap=softcap,
-                                             rope_store=(positions, k, v, cos_sin_cache, slot_mapping))
+                                             rope_store=(positions, k, v, cos_sin_cache, slot_mapping),
+                                             split_counters=split_counters)
     rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
                                   sliding_window=sliding_window, softcap=softcap)

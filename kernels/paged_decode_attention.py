@@ -5,8 +5,16 @@ Two Triton paths:
   group as the rows of one tile (K/V are read once per group);
 - flash-decoding for long contexts with few sequences: each sequence's visible context is split into
   (up to) `num_splits` partitions of its own length, each program writes its partition's (max, sum, normalised
-  out), and a reduction kernel merges them. Partitions are sized on the device from each sequence's length, so
-  a launch's integers do not depend on the step's contexts (what a CUDA graph captured for a batch size needs).
+  out) and takes a ticket from its (sequence, kv head)'s counter; the program with the last ticket merges the
+  partitions, writes the output and sets the counter back to 0 - one launch, no reduction kernel. Partitions are
+  sized on the device from each sequence's length, so a launch's integers do not depend on the step's contexts
+  (what a CUDA graph captured for a batch size needs).
+
+The ticket counters (make_split_counters) are int32, zero between launches (each launch leaves them as it found
+them), so one buffer serves every layer and every step of a stream, graph replays included; an engine allocates it
+once (ModelRunner), sized for max_num_seqs x kv heads. Launches sharing a buffer must not run concurrently (one
+stream). Memory order: every thread's partial stores, then a CTA barrier, then the ticket (atom.acq_rel.gpu: a
+release of what the CTA wrote); the last program's reads come after its ticket (the acquire) and a barrier.
 The reference gathers K/V through the block table and runs SDPA with a length mask.
 
 Options (docs/CONTRACTS.md): `sliding_window` W - the query at position p = seq_len - 1 sees keys at positions
@@ -38,15 +46,16 @@ def _part_size(ctx, num_splits, min_part, BLOCK_N: tl.constexpr):
 
 # Integers that vary with the step (the split count, the partial buffers' strides) are not specialised on: a new
 # value must never mean a new compile while serving.
-@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_mb", "stride_mh", "min_part"])
+@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_ps", "stride_mb", "stride_mh", "min_part"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, m_ptr, l_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr, po_ptr, m_ptr, l_ptr, cnt_ptr,
     pos_ptr, k_ptr, v_ptr, slot_ptr, cs_ptr,  # ROPE_STORE: this step's positions, k and v rows, slots, rope cache
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cs,
     stride_cb, stride_co, stride_ch,
     stride_btb,
-    stride_ob, stride_oh, stride_os,  # out [B,H,D] (stride_os unused) or partial out [B,H,NS,D]
-    stride_mb, stride_mh,  # partial max / sum [B,H,NS]
+    stride_ob, stride_oh,  # out [B,H,D]
+    stride_pb, stride_ph, stride_ps,  # SPLIT: partial out [B,H,NS,D]
+    stride_mb, stride_mh,  # SPLIT: partial max / sum [B,H,NS]; ticket counters [B,KVH] at cnt_ptr
     scale_log2e, min_part, window, cap_in, cap_out,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -63,9 +72,7 @@ def _decode_kernel(
     if SPLIT:  # this sequence's partitions tile [lo, seq_len)
         part = _part_size(seq_len - lo, tl.num_programs(2), min_part, BLOCK_N)
         start = lo + split * part
-        if start >= seq_len:  # empty partition: the reduction ignores it (it counts the written ones)
-            return
-        end = tl.minimum(seq_len, start + part)
+        end = tl.minimum(seq_len, start + part)  # <= start: an empty partition (it still takes its ticket)
     else:
         start = lo
         end = seq_len
@@ -79,7 +86,10 @@ def _decode_kernel(
         q_row = q_ptr + b.to(tl.int64) * stride_qb + (kvh * GROUP) * stride_qh
         q = _rope_rows(q_row, stride_qh, GROUP, cos, sin, partner, dd, D, G_PAD)[0].to(q_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (end == seq_len) & (slot >= 0):  # the program whose keys include this token (split: the last partition)
+        here = (end == seq_len) & (slot >= 0)  # the program whose keys hold this token (split: the last written
+        if SPLIT:  # partition; the empty ones past it end at seq_len too)
+            here = here & (start < end)
+        if here:
             k, kmask = _rope_rows(k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh, stride_kh, 1, cos, sin, partner,
                                   dd, D, 1)
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + kvh * stride_ch + dd
@@ -98,6 +108,9 @@ def _decode_kernel(
     first = start
     if TILE_IN_BLOCK:  # tiles aligned to BLOCK_N, so each lies in one block (the first may begin before `start`)
         first = start - start % BLOCK_N
+    if SPLIT:
+        if start >= end:  # an empty partition: no tile
+            first = end
     for s in range(first, end, BLOCK_N):
         pos = s + tl.arange(0, BLOCK_N)
         pmask = pos < end
@@ -125,53 +138,51 @@ def _decode_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 -> zeros
-    o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if SPLIT:
-        tl.store(o_ptr + o_off + split * stride_os, out, mask=gd_mask)
-        ml_off = b * stride_mb + heads * stride_mh + split
-        tl.store(m_ptr + ml_off, m_i, mask=g < GROUP)
-        tl.store(l_ptr + ml_off, l_i, mask=g < GROUP)
+    if SPLIT:  # scalar bases of the group's first head: no pointer tile stays live across the ticket
+        p_base = po_ptr + b.to(tl.int64) * stride_pb + (kvh * GROUP) * stride_ph
+        ml_base = b * stride_mb + (kvh * GROUP) * stride_mh
+        if start < end:
+            tl.store(p_base + split * stride_ps + g[:, None] * stride_ph + d[None, :], out, mask=gd_mask)
+            tl.store(m_ptr + ml_base + g * stride_mh + split, m_i, mask=g < GROUP)
+            tl.store(l_ptr + ml_base + g * stride_mh + split, l_i, mask=g < GROUP)
+        _merge_if_last(cnt_ptr + b * tl.num_programs(1) + kvh, tl.num_programs(2), tl.cdiv(seq_len - lo, part),
+                       p_base, stride_ph, stride_ps, m_ptr + ml_base, l_ptr + ml_base, stride_mh,
+                       o_ptr + b.to(tl.int64) * stride_ob + (kvh * GROUP) * stride_oh, stride_oh, GROUP, G_PAD, D,
+                       D_PAD)
     else:
+        o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
-@triton.jit(do_not_specialize=["stride_pb", "stride_ph", "stride_mb", "stride_mh", "num_splits", "min_part"])
-def _decode_reduce_kernel(
-    po_ptr, m_ptr, l_ptr, sl_ptr, o_ptr,
-    stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ob, stride_oh,
-    num_splits, min_part, window,
-    D: tl.constexpr, D_PAD: tl.constexpr, NS_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-):
-    """Merges a sequence's written partitions, NS_BLOCK at a time: one compiled variant for any split count."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(sl_ptr + b)
-    ctx = seq_len
-    if HAS_WINDOW:
-        ctx = tl.minimum(seq_len, window)
-    n_valid = tl.cdiv(ctx, _part_size(ctx, num_splits, min_part, BLOCK_N))  # partitions that were written
-    s = tl.arange(0, NS_BLOCK)
-    d = tl.arange(0, D_PAD)
-    ml_row = b * stride_mb + h * stride_mh
-    m_max = tl.full([NS_BLOCK], _NEG, tl.float32)
-    for s0 in range(0, n_valid, NS_BLOCK):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + ml_row + s0 + s, mask=s0 + s < n_valid, other=_NEG))
-    m_all = tl.max(m_max, 0)
-    acc = tl.zeros([D_PAD], tl.float32)
-    wsum = tl.zeros([NS_BLOCK], tl.float32)
-    po_row = po_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
-    for s0 in range(0, n_valid, NS_BLOCK):
-        smask = s0 + s < n_valid
-        m = tl.load(m_ptr + ml_row + s0 + s, mask=smask, other=_NEG)
-        l = tl.load(l_ptr + ml_row + s0 + s, mask=smask, other=0.0)
-        w = l * tl.exp2(m - m_all)
-        wsum += w
-        po = tl.load(po_row + (s0 + s)[:, None] * stride_ps + d[None, :], mask=smask[:, None] & (d < D)[None, :],
-                     other=0.0)
-        acc += tl.sum(po * w[:, None], 0)
-    total = tl.sum(wsum, 0)
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+@triton.jit
+def _merge_if_last(cnt, n_programs, n_valid, p_base, stride_ph, stride_ps, m_base, l_base, stride_mh, o_base,
+                   stride_oh, GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+    """Takes this program's ticket; the program with the last one merges the n_valid written partitions of its
+    GROUP heads (two passes: the common max, then the weighted sum), writes the output and zeroes the counter."""
+    tl.debug_barrier()  # every thread's partial stores before the ticket (one thread takes it, releasing them)
+    ticket = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_programs - 1:  # every other program of the sequence's kv head has released its partial
+        tl.debug_barrier()  # the ticket's acquire before any thread's reads
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        g_mask = g < GROUP
+        gd_mask = g_mask[:, None] & (d < D)[None, :]
+        ml = g * stride_mh
+        m_all = tl.full([G_PAD], _NEG, tl.float32)
+        for s in range(0, n_valid):
+            m_all = tl.maximum(m_all, tl.load(m_base + ml + s, mask=g_mask, other=_NEG, cache_modifier=".cg"))
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        for s in range(0, n_valid):
+            m = tl.load(m_base + ml + s, mask=g_mask, other=_NEG, cache_modifier=".cg")
+            w = tl.load(l_base + ml + s, mask=g_mask, other=0.0, cache_modifier=".cg") * tl.exp2(m - m_all)
+            total += w
+            po = tl.load(p_base + s * stride_ps + g[:, None] * stride_ph + d[None, :], mask=gd_mask, other=0.0,
+                         cache_modifier=".cg")
+            acc += po * w[:, None]
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # no partition written (seq_len 0) -> zeros
+        tl.store(o_base + g[:, None] * stride_oh + d[None, :], out.to(o_base.dtype.element_ty), mask=gd_mask)
+        tl.store(cnt, 0)  # every ticket is taken: zero for the next launch
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,17 +213,26 @@ def _auto_num_splits(q, B, KVH, max_ctx):
     return max(1, min(triton.cdiv(2 * n_sm, programs), max_ctx // MIN_PART, 128))
 
 
-# Key tile and warps per padded head dim: (BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16
-# on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed for: no spills, and enough resident CTAs
-# (>= 3 of 4 warps per SM; 4-5 at head_dim 128 in a single pass, where the grid is large; flash-decoding's grid has
-# about 2 programs per SM, so 3 there) that their K/V tile loads (BLOCK_N * D * 2 bytes, K and V) keep >= 24 KB per SM
-# in flight, about what covers the memory latency at full bandwidth. Wider key tiles push the registers to the 255
-# cap (2 CTAs per SM) and spill at head_dim 128 on sm_90 (BLOCK_N 64). ROPE_STORE (the engine's decode rows) adds
-# 5-35 registers for the rope of q in float32 before the loop.
-DECODE_TILES = {16: (32, 4), 32: (32, 4), 64: (32, 4), 128: (16, 4), 256: (16, 4)}
+# Key tile, warps and register cap per padded head dim: (BLOCK_N, num_warps, maxnreg), chosen with
+# scripts/kernel_resources.py for bf16/fp16 on sm_80 and sm_90 (not autotuned: one variant per head dim). Designed
+# for: no spills, and enough resident CTAs (>= 3 of 4 warps per SM; 4-5 at head_dim 128 in a single pass, where the
+# grid is large; flash-decoding's grid has about 2 programs per SM, so 3 there) that their K/V tile loads
+# (BLOCK_N * D * 2 bytes, K and V) keep >= 24 KB per SM in flight, about what covers the memory latency at full
+# bandwidth. Wider key tiles push the registers to the 255 cap (2 CTAs per SM) and spill at head_dim 128 on sm_90
+# (BLOCK_N 64). ROPE_STORE (the engine's decode rows) adds 5-35 registers for the rope of q in float32 before the loop.
+# The third entry: a register cap (ptxas .maxnreg, None = ptxas's choice). At head_dim 256, 168 (3 CTAs of 4 warps,
+# 65536 / 384 = 170 in the allocation's steps of 8): ptxas alone gives flash-decoding with rope_store 174 registers
+# (2 CTAs), under the cap 157 and no spills, and the single pass 125 instead of 134 (4 CTAs, not 3). Not set for the
+# other head dims: a cap makes ptxas use up to it (at 128 the split variant went from 113 registers to 157).
+DECODE_TILES = {16: (32, 4, None), 32: (32, 4, None), 64: (32, 4, None), 128: (16, 4, None), 256: (16, 4, 168)}
 
-MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others exit at once)
-NS_BLOCK = 16  # partitions the reduction merges per iteration
+MIN_PART = 256  # automatic splits: shorter contexts keep fewer partitions (the others only take their ticket)
+
+
+def make_split_counters(max_num_seqs: int, num_kv_heads: int, device) -> torch.Tensor:
+    """Flash-decoding's ticket counters for launches of up to max_num_seqs sequences over num_kv_heads kv heads:
+    zeroed once here, and zero again after every launch (see the module docstring)."""
+    return torch.zeros(max(1, max_num_seqs * num_kv_heads), dtype=torch.int32, device=device)
 
 
 def pad_dim(d: int) -> int:
@@ -221,12 +241,15 @@ def pad_dim(d: int) -> int:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                                  sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None):
+                                  sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None,
+                                  split_counters=None):
     """num_splits: None = automatic (from the batch size and the block table's width, never from the contexts:
     a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
     many partitions per sequence. rope_store: (positions, k, v, cos_sin_cache, slot_mapping) of this step's tokens
     (one per sequence) - rope on q (not written back) and k, and k and v stored at the slots (-1 = skip) before the
-    attention reads them, in the same launch: as rotary_store_kv then this (decode rows have seq_len > 0 or slot -1)."""
+    attention reads them, in the same launch: as rotary_store_kv then this (decode rows have seq_len > 0 or slot -1).
+    split_counters: make_split_counters' buffer for >= B x kv heads (None: a zeroed one made for this call - one
+    more launch, and a buffer a CUDA graph would keep)."""
     B, H, D = q.shape
     block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -236,7 +259,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     if B == 0:
         return out
     d_pad = pad_dim(D)
-    tile_n, num_warps = DECODE_TILES.get(d_pad, (16, 4))
+    tile_n, num_warps, maxnreg = DECODE_TILES.get(d_pad, (16, 4, None))
     block_n = block_n or tile_n
     max_ctx = block_tables.shape[1] * block_size  # bound on seq_lens without a device sync
     if sliding_window is not None:
@@ -249,6 +272,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
                   BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_PREC=_dot_precision(q.dtype),
                   HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
                   TILE_IN_BLOCK=block_size % block_n == 0, num_warps=num_warps)
+    if maxnreg:
+        common.update(maxnreg=maxnreg)
     if rope_store is None:
         step, step_strides, half = (q, q, q, q, q), (0,) * 5, 1
     else:
@@ -260,26 +285,27 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     common.update(ROPE_STORE=rope_store is not None, HALF=half)
     scale_log2e = scale * _LOG2E
     window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
+    launch = (q, k_cache, v_cache, block_tables, seq_lens, out)
     if num_splits == 1:
         _decode_kernel[(B, KVH, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, out, *step,
+            *launch, out, out, out, seq_lens, *step,
             q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
-            block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
+            block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0, 0, 0,
             scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
         return out
+    if split_counters is None:
+        split_counters = make_split_counters(B, KVH, q.device)
+    elif split_counters.dtype != torch.int32 or split_counters.numel() < B * KVH:
+        raise ValueError(f"split_counters: {split_counters.dtype} x {split_counters.numel()}, a launch of {B} "
+                         f"sequences x {KVH} kv heads needs int32 x >= {B * KVH} (make_split_counters)")
     po = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
     m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     _decode_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, po, m, l, *step,
+        *launch, po, m, l, split_counters, *step,
         q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
-        block_tables.stride(0), po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1),
-        scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
-    _decode_reduce_kernel[(B, H)](
-        po, m, l, seq_lens, out,
-        po.stride(0), po.stride(1), po.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
-        num_splits, min_part, window, D=D, D_PAD=d_pad, NS_BLOCK=NS_BLOCK, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, num_warps=4)
+        block_tables.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), m.stride(0),
+        m.stride(1), scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
     return out
 
 
@@ -331,7 +357,8 @@ def sdpa_gqa(q, k, v, mask, scale, softcap=None):
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                               sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None):
+                               sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None,
+                               split_counters=None):
     if rope_store is not None:  # q and k rotated in copies, as the Triton kernel leaves them
         positions, k, v, cos_sin, slots = rope_store
         q = q.clone()

@@ -3,13 +3,16 @@
 
 Run as a script (NOT under TRITON_INTERPRET): the launchers run on CPU tensors, but each kernel launch
 is intercepted and compiled with triton.compile for the target instead of being executed.
-Exits non-zero on the first failure. Usage: python kernel_compile_check.py [bf16] [fp16] [fp32]
+Exits non-zero on the first failure. Then checks flash-decoding's in-kernel merge in the split decode variants'
+PTX: partial stores, barrier, ticket atomic (acq_rel, gpu scope), barrier, the merge's loads (ticket_order).
+Usage: python kernel_compile_check.py [bf16] [fp16] [fp32]
 scripts/kernel_resources.py compiles the same variants and reports their registers, spills and occupancy.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ class Variant:
     num_warps: int
     num_stages: int
     compiled: object
+    maxnreg: int | None = None  # the launch's register cap, if it set one
 
 
 compiled: list[Variant] = []
@@ -60,7 +64,7 @@ class _Compiler:
         self.fn = fn
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, **kw):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kw):
             names = self.fn.arg_names
             bound = dict(zip(names, args)) | kw
             sig, consts = {}, {}
@@ -78,11 +82,13 @@ class _Compiler:
                     sig[name] = "fp32"
                 else:
                     raise TypeError(f"{name}: {type(v)}")
+            options = {"num_warps": num_warps, "num_stages": num_stages}
+            if maxnreg is not None:
+                options["maxnreg"] = maxnreg
             for target in targets:
-                k = triton.compile(ASTSource(self.fn, sig, consts), target=target,
-                                   options={"num_warps": num_warps, "num_stages": num_stages})
+                k = triton.compile(ASTSource(self.fn, sig, consts), target=target, options=options)
                 compiled.append(Variant(self.fn.__name__, _launching["group"], _launching["dtype"], target, consts,
-                                        num_warps, num_stages, k))
+                                        num_warps, num_stages, k, maxnreg))
         return launch
 
 
@@ -123,7 +129,7 @@ def _attention(dt, heads, decode=True, prefill=True):
         q = torch.zeros(2, 2 * grp, hd, dtype=dt)
         if decode:
             kv, pos = torch.zeros(2, 2, hd, dtype=dt), torch.zeros(2, dtype=torch.int64)
-            for ns in (1, 4):  # single pass; flash-decoding and its reduction
+            for ns in (1, 4):  # single pass; flash-decoding (its merge in the same kernel)
                 pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns)
                 # what the engine's decode rows run: rope and the K/V store inside
                 pda.paged_decode_attention_triton(q, kc, kc.clone(), bt, sl, 0.1, num_splits=ns,
@@ -196,10 +202,56 @@ def launch(dtype_names=("bf16", "fp16", "fp32"), groups=tuple(GROUPS)):
     return compiled[first:]
 
 
+_TICKET = re.compile(r"\batom\.global\.(?:gpu\.acq_rel|acq_rel\.gpu)\.add\.u32\b")
+
+
+def ticket_order(ptx: str) -> str | None:
+    """Flash-decoding's merge (kernels/paged_decode_attention.py) in a split decode variant's PTX, in emitted order:
+    the partial stores, a CTA barrier, then the one ticket atomic with acq_rel semantics at gpu scope (it releases
+    what every thread of the CTA stored), then a barrier before the merge's loads (acquired by the ticket).
+    -> None when so, else what is wrong."""
+    lines = [line.split("//")[0].strip() for line in ptx.splitlines()]
+    tickets = [i for i, line in enumerate(lines) if _TICKET.search(line)]
+    atoms = [i for i, line in enumerate(lines) if re.search(r"\batom\.", line)]
+    if len(tickets) != 1 or atoms != tickets:
+        return f"want one atom.global.gpu.acq_rel.add.u32 (the ticket), found {[lines[i] for i in atoms]}"
+    t = tickets[0]
+
+    def last(pattern, lo, hi):
+        return max((i for i in range(lo, hi) if re.search(pattern, lines[i])), default=None)
+
+    def first(pattern, lo, hi):
+        return min((i for i in range(lo, hi) if re.search(pattern, lines[i])), default=None)
+
+    store = last(r"\bst\.global\b", 0, t)
+    if store is None or last(r"\bbar\.sync\b", store, t) is None:
+        return "no bar.sync between the partial stores and the ticket"
+    load = first(r"\bld\.global\b", t, len(lines))
+    if load is None or first(r"\bbar\.sync\b", t, load) is None:
+        return "no bar.sync between the ticket and the merge's loads"
+    return None
+
+
+def check_ticket_order(variants) -> int:
+    """ticket_order for every split decode variant compiled; raises on the first that fails -> how many."""
+    n = 0
+    for v in variants:
+        if v.kernel == "_decode_kernel" and v.consts.get("SPLIT"):
+            bad = ticket_order(v.compiled.asm["ptx"])
+            if bad:
+                raise AssertionError(f"_decode_kernel sm_{v.target.arch} {v.dtype} {v.consts}: {bad}")
+            n += 1
+    return n
+
+
 def main(argv):
     t0 = time.time()
     launch(argv or tuple(DTYPES))
     print(f"compiled {len(compiled)} kernel variants for sm_80 and sm_90 in {time.time() - t0:.0f}s")
+    n = check_ticket_order(compiled)
+    assert n, "no split decode variant compiled"
+    print(f"flash-decoding ticket order in the PTX of {n} split decode variants: partial stores, bar.sync, "
+          "atom.global.gpu.acq_rel.add, bar.sync, merge loads")
 
 
 if __name__ == "__main__":

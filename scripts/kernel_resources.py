@@ -102,7 +102,9 @@ def resources(v: kcc.Variant) -> Resources:
     ctas, limit = occupancy(v.target.arch, r["regs"], smem, v.num_warps)
     tiles = {k: v.consts[k] for k in _TILE_KEYS if k in v.consts} | {k: True for k in _FLAGS if v.consts.get(k)}
     config = " ".join(k if val is True else f"{k}={val}" for k, val in tiles.items())
-    return Resources(v.kernel, v.group, v.dtype, v.target.arch, f"{config} w{v.num_warps}s{v.num_stages}".strip(),
+    cap = f"r{v.maxnreg}" if v.maxnreg else ""
+    return Resources(v.kernel, v.group, v.dtype, v.target.arch,
+                     f"{config} w{v.num_warps}s{v.num_stages}{cap}".strip(),
                      tiles, r["regs"], r["spill_stores"], r["spill_loads"], r["stack"], smem, v.num_warps, ctas,
                      limit)
 

@@ -29,6 +29,9 @@ class PagedAttention(nn.Module):
         # (kernels/kv_layout.py).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Bound by the model runner too: flash-decoding's ticket counters, one buffer for every layer (zero between
+        # launches; kernels/paged_decode_attention.py make_split_counters)
+        self.split_counters: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rotary) -> torch.Tensor:
@@ -50,7 +53,8 @@ class PagedAttention(nn.Module):
         dec = ctx.decode
         rope_store_decode_attention(positions[:d], q[:d], k[:d], v[:d], cs, kc, vc, ctx.slot_mapping[:d],
                                     dec.block_tables, dec.seq_lens, self.scale, out=out[:d],
-                                    sliding_window=self.sliding_window, softcap=self.softcap)
+                                    sliding_window=self.sliding_window, softcap=self.softcap,
+                                    split_counters=self.split_counters)
         if q.shape[0] > d:
             rotary_store_kv(positions[d:], q[d:], k[d:], v[d:], cs, kc, vc, ctx.slot_mapping[d:])
         _attend_prefill(q, out, d, kc, vc, self.scale, self.sliding_window, self.softcap)

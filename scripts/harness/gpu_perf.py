@@ -297,7 +297,11 @@ def attention_row(rec, opts, copy_gbps, B, ctx, H, KVH, D) -> None:
 
     import harness.kernel_cases as kc
     from loom.kernels.kv_layout import gather_blocks
-    from loom.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+    from loom.kernels.paged_decode_attention import (
+        make_split_counters,
+        paged_decode_attention_ref,
+        paged_decode_attention_triton,
+    )
 
     dev, smoke = opts.device, opts.smoke
 
@@ -307,7 +311,8 @@ def attention_row(rec, opts, copy_gbps, B, ctx, H, KVH, D) -> None:
         q = torch.randn(B, H, D, device=dev).to(dt)
         out = torch.empty_like(q)
         fn = paged_decode_attention_triton if dev == "cuda" or opts.plan else paged_decode_attention_ref
-        paged_ms = bench_ms(lambda: fn(q, kcache, vcache, bt, sl, D ** -0.5, out=out), dev)
+        counters = make_split_counters(B, KVH, dev)  # once, as the engine makes it (not a zeroing launch per call)
+        paged_ms = bench_ms(lambda: fn(q, kcache, vcache, bt, sl, D ** -0.5, out=out, split_counters=counters), dev)
         k = gather_blocks(kcache, bt.long())[:, :, :ctx].contiguous()  # [B, KVH, ctx, D]
         v = gather_blocks(vcache, bt.long())[:, :, :ctx].contiguous()
         q4 = q.view(B, H, 1, D)

@@ -144,7 +144,15 @@ def check_decode(dtype, device, seq_lens, heads, kvh, d, block_size, num_splits=
     scale = d ** -0.5
     opts = dict(sliding_window=sliding_window, softcap=softcap)
     out = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
-    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, num_splits=num_splits, block_n=block_n, **opts)
+    counters = torch.zeros(len(seq_lens) * kvh, dtype=torch.int32, device=device)  # flash-decoding's tickets
+    opts.update(num_splits=num_splits, block_n=block_n, split_counters=counters)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=out, **opts)
+    assert not counters.any(), f"a launch left ticket counters non-zero: {counters.tolist()}"
+    # the counters serve the next launch as they served this one (a graph replay); split launches only use them
+    if num_splits != 1 and (dtype == torch.float32 or torch.device(device).type != "cpu"):
+        again = poison(len(seq_lens), heads, d, dtype=dtype, device=device)
+        paged_decode_attention_triton(q, kc, vc, bt, sl, scale, out=again, **opts)
+        assert torch.equal(again, out) and not counters.any(), "a second launch over the same counters differs"
     kc, vc, bt = compact_cache(kc, vc, bt, sl)
     ref = paged_decode_attention_ref(q.float(), kc.float(), vc.float(), bt, sl, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_decode_attention")
@@ -418,7 +426,7 @@ CASES = {
         dict(seq_lens=[3, 50], heads=4, kvh=2, d=32, block_size=8, num_splits=1, softcap=5.0),
         dict(seq_lens=[1, 33, 60], heads=4, kvh=2, d=32, block_size=8, num_splits=2, block_n=16, softcap=5.0,
              sliding_window=17),
-        # more partitions than the reduction merges at once (16); per-sequence partition counts differ
+        # many partitions (the last program merges 40); per-sequence partition counts differ
         dict(seq_lens=[700, 5, 0, 290], heads=4, kvh=2, d=32, block_size=16, num_splits=40, block_n=16),
         # a table as wide as a long max_model_len (automatic splits sized by it, >= 256-token partitions)
         dict(seq_lens=[600, 5, 0, 300], heads=4, kvh=2, d=64, block_size=16, table_width=128),

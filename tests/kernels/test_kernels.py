@@ -66,3 +66,15 @@ def test_jit_compile_counter():
         assert getattr(owner, attr) is prev
     finally:
         setattr(owner, attr, before)
+
+
+def test_decode_split_counters_must_cover_the_launch():
+    """Flash-decoding takes one int32 ticket counter per (sequence, kv head): a buffer too small or of another type
+    is refused by name, before anything is launched."""
+    from loom.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    kc, vc, bt, sl = kcases.make_paged_cache([40, 9], 16, 2, 16, torch.float32, DEVICE)
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    for bad in (torch.zeros(3, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE)):
+        with pytest.raises(ValueError, match="split_counters"):
+            paged_decode_attention_triton(q, kc, vc, bt, sl, 0.25, num_splits=2, block_n=16, split_counters=bad)

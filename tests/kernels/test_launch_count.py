@@ -3,9 +3,10 @@ Triton path (the interpreter, on CPU), one decode step of 4 sequences, without a
 the fused q|k|v and gate|up projections are used as views (no copy kernel), rope and the KV store run inside the
 decode attention kernel.
 
-Per layer without LoRA, 9: 2 fused add+RMSNorm, 4 GEMMs, decode attention with rope and the KV store (2 here: the
-block table spans 1,024 tokens, so flash-decoding splits and a reduction merges them), SiLU-and-mul. With LoRA each of
-the 4 linears adds one fused shrink+expand (decode: a few tokens per adapter): 13."""
+Per layer without LoRA, <= 8: 2 fused add+RMSNorm, 4 GEMMs, decode attention with rope and the KV store (one launch
+even where it splits: the block table spans 1,024 tokens, so flash-decoding runs, and its last program per sequence
+and kv head merges the partitions in the same launch), SiLU-and-mul. With LoRA each of the 4 linears adds one fused
+shrink+expand (decode: a few tokens per adapter): <= 12. No copy kernels."""
 import pytest
 import torch
 from launch_count import count_decode_step, make_model, per_layer_max
@@ -15,7 +16,7 @@ from loom.kernels.launch_counter import LaunchCounter
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
 
 LAYERS = 4
-MAX_PER_LAYER = {False: 9, True: 13}
+MAX_PER_LAYER = {False: 8, True: 12}
 
 
 def test_counter_sees_copies_and_gemms_not_views():
@@ -46,7 +47,7 @@ def test_launches_per_decode_layer(tiny_llama, lora):
     for i in range(LAYERS):
         triton = c.names(i, "triton")
         assert "_rotary_kernel" not in triton and "_store_kv_kernel" not in triton, triton  # inside the attention
-        assert triton.count("_decode_kernel") == 1, triton
+        assert triton.count("_decode_kernel") == 1 and "_decode_reduce_kernel" not in triton, triton
         if lora:  # one launch per linear, no zeroed buffer
             assert triton.count("_shrink_expand_kernel") == 4 and "_shrink_kernel" not in triton, triton
         assert triton.count("_fused_add_rms_norm_kernel") == 2 and triton.count("_act_and_mul_kernel") == 1, triton

@@ -205,3 +205,34 @@ def test_kernels_compile_for_sm80_and_sm90():
     p = _run([str(ROOT / "scripts" / "kernel_compile_check.py"), "bf16"], interpret=False)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     assert "compiled" in p.stdout
+    # every split decode variant (serving head dims 64/128/256 and the edge case 8, with and without rope_store, for
+    # sm_80 and sm_90: 16) passed ticket_order
+    assert "ticket order in the PTX of 16 split decode variants" in p.stdout, p.stdout
+
+
+TICKET_PTX = """
+    @%p1 st.global.b32 [ %rd1 + 0 ], { %r1 };  // a partial
+    bar.sync 0;
+    @%p2 atom.global.gpu.acq_rel.add.u32 %r2, [ %rd2 + 0 ], %r3;
+    @%p2 st.shared.b32 [ %r4 + 0 ], %r2;
+    bar.sync 0;
+    @%p3 ld.global.cg.b32 { %r5 }, [ %rd1 + 0 ];
+"""
+
+
+def test_ticket_order_sees_a_missing_barrier_or_weak_atomic():
+    """kernel_compile_check.ticket_order on a hand-made PTX excerpt and on it with each guarantee removed."""
+    lines = TICKET_PTX.splitlines()
+    variants = [TICKET_PTX, "\n".join(lines[:2] + lines[3:]), "\n".join(lines[:5] + lines[6:]),
+                TICKET_PTX.replace("acq_rel", "relaxed"), TICKET_PTX + TICKET_PTX]
+    code = ("import json, sys, kernel_compile_check as kcc\n"
+            "print(json.dumps([kcc.ticket_order(p) for p in json.loads(sys.stdin.read())]))")
+    p = subprocess.run([sys.executable, "-c", code], input=json.dumps(variants), cwd=ROOT / "scripts",
+                       capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    ok, no_release, no_acquire, relaxed, two = json.loads(p.stdout.splitlines()[-1])
+    assert ok is None, ok
+    assert "between the partial stores and the ticket" in no_release, no_release
+    assert "between the ticket and the merge's loads" in no_acquire, no_acquire
+    assert "want one" in relaxed and "want one" in two, (relaxed, two)

@@ -6,7 +6,8 @@ is stored, context length 0 so attention returns zeros), the graph captured for 
 final hidden states, which it writes into the first b rows of the runner's graph_hidden, and lm_head then runs
 eagerly on the sampled rows only (loom.engine.worker.compiled_forward.logits_of, as the eager forward): padded rows
 never get vocabulary-wide work. Every kernel argument of a captured launch is fixed: block tables as wide as
-max_model_len, the decode split count chosen from b, LoRA tiles from b and max_lora_rank.
+max_model_len, the decode split count chosen from b, LoRA tiles from b and max_lora_rank, flash-decoding's ticket
+counters the runner's one buffer (zero between launches, so every replay finds them as the capture did).
 
 Memory (what loom.engine.worker.memory_profile must leave room for, and counts exactly): every graph is warmed up and
 captured on the runner's one capture stream, into one shared pool, largest bucket first. A capture keeps no

@@ -32,6 +32,7 @@ from loom.engine.worker.compiled_forward import build_forward
 from loom.engine.worker.memory_plan import CPU_KV_BYTES, kv_blocks, kv_bytes_per_token, model_bytes
 from loom.kernels.cpu_memory import large_zeros
 from loom.kernels.kv_layout import kv_cache_shape
+from loom.kernels.paged_decode_attention import make_split_counters
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
 from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
@@ -74,6 +75,11 @@ class ModelRunner:
         self.max_num_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.buffers = self._make_buffers()
+        # flash-decoding's ticket counters for a decode of up to max_num_seqs sequences, zeroed once here (each launch
+        # leaves them zero): shared by every layer, the eager steps and the graphs, whose launches are stream-ordered
+        self.split_counters = make_split_counters(self.max_num_seqs, max(a.num_kv_heads for a in attn), self.device)
+        for a in attn:
+            a.split_counters = self.split_counters
         # The decode graphs' output: the final hidden states of a bucket's rows (each graph writes its first b rows;
         # lm_head runs after the replay on the sampled rows only). Made before KV sizing, so the profile's free
         # memory already excludes it, as it excludes the step buffers.
