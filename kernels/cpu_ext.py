@@ -52,6 +52,8 @@ _SIGNATURES = {
                            _F32, _I64, _F32, _I64, _I32],
     "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
                         _I64, _I32],
+    "loom_lora_apply_bf16": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P,
+                             _P, _I64, _I32],
     "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64],
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],

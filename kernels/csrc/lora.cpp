@@ -581,6 +581,32 @@ void run_pass(const LoraPass& pass, int nthreads) {
   }
 }
 
+// run_pass on bfloat16 rows x and y: the groups' token rows of x and of y's first offs[S] columns widened to float32
+// (exact) into scratch, the float32 pass over them, each rounded back to bfloat16 once. Bitwise what widening all of
+// x and y, the pass and rounding all of y give (a row no group changes comes back as it was), the bfloat16 engine's
+// LoRA both where its Python layers run it (loom_lora_apply_bf16) and where the C++ layer does (layer.cpp), without
+// two passes over all of x and y.
+void run_pass_bf16(const bf16_t* x, int64_t xs, const Pools& pools, const int64_t* offs, bf16_t* y, int64_t ys,
+                   const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal,
+                   int64_t G, int nthreads) {
+  const int64_t first = G > 0 ? seg[0] : 0, n = G > 0 ? seg[G] - first : 0, K = pools.K, N = offs[pools.S];
+  if (n <= 0) return;
+  std::unique_ptr<float[]> xw(new float[n * K]), yw(new float[n * N]);
+  std::vector<int64_t> idx(first + n);  // the pass's token indices: token t's rows of xw and yw
+  for (int64_t t = first; t < first + n; ++t) idx[t] = t - first;
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, n)));
+#pragma omp parallel for num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) {
+    widen(x + tok[first + i] * xs, xw.get() + i * K, K);
+    widen(y + tok[first + i] * ys, yw.get() + i * N, N);
+  }
+  run_pass(LoraPass{xw.get(), K, pools, offs, yw.get(), N, idx.data(), seg, rows, ranks, scal, G,
+                    LoraItems(seg, ranks, G, nthreads)},
+           nthreads);
+#pragma omp parallel for num_threads(nt)
+  for (int64_t i = 0; i < n; ++i) narrow(yw.get() + i * N, y + tok[first + i] * ys, N);
+}
+
 }  // namespace
 
 extern "C" {
@@ -592,6 +618,14 @@ void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t 
   run_pass(LoraPass{x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G,
                     LoraItems(seg, ranks, G, nthreads)},
            nthreads);
+}
+
+// loom_lora_apply on bfloat16 x and y (run_pass_bf16)
+void loom_lora_apply_bf16(const bf16_t* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
+                          int64_t ak, const void* b, int64_t N, int64_t bn, const int64_t* offs, bf16_t* y, int64_t ys,
+                          const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                          const float* scal, int64_t G, int nthreads) {
+  run_pass_bf16(x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G, nthreads);
 }
 
 }  // extern "C"

@@ -237,3 +237,25 @@ def test_lora_bf16(num_tokens, ranks):
     within(got, exact, 2 * (K + max(ranks) + 4) * U32 * size, "lora bf16")
     untouched = owner == -1
     assert torch.equal(got[untouched], y0[untouched])
+
+
+@pytest.mark.parametrize("num_tokens,ranks,pool", [(30, [1, 8, 16, 4], BF16), (7, [16, 3], torch.float32),
+                                                   (32, [16] * 32, BF16)])
+def test_lora_bf16_is_the_widened_float32_pass(num_tokens, ranks, pool):
+    """The bfloat16 pass (kernels/csrc/lora.cpp run_pass_bf16: the Python layers' and the bfloat16 C++ layer's LoRA)
+    widens only the adapter tokens' rows: bitwise what widening all of x and y, the float32 pass and rounding y back
+    give, for adapters of several ranks (rank 1 to 16; slices of 16-wide parts and tails), padded pool rows, a strided
+    y and tokens without an adapter."""
+    from loom.kernels.cpu_lora import lora_apply_cpu, lora_apply_cpu_bf16
+
+    torch.manual_seed(5)
+    meta, R, _ = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    offs, K = [0, 40, 56, 131], 72
+    x = torch.randn(num_tokens, K).to(BF16)
+    y0 = torch.randn(num_tokens, offs[-1] + 9).to(BF16)[:, :offs[-1]]  # rows 140 apart
+    a = torch.randn(3, R, K + 8).to(pool)[:, :, :K]  # pool rows padded, as kernels/cpu_lora.py pool_row makes them
+    b = torch.randn(R, offs[-1] + 16).to(pool)[:, :offs[-1]]
+    got = lora_apply_cpu_bf16(x, y0.clone(), a, b, offs, meta)
+    y32 = y0.float()
+    want = lora_apply_cpu(x.float(), y32, a, b, offs, meta).to(BF16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
