@@ -127,6 +127,34 @@ LOOM_BF16_TARGET void bf_panels(const uint16_t* A, int64_t lda, int64_t M, int64
 
 #endif
 
+// The product on a CPU without avx512_bf16, an element at a time in VDPBF16PS's documented order (each pair's odd
+// term, then its even one: exact products added in float32, rounded to nearest even; no denormal flushing): loom's
+// bfloat16 paths, which the tests compare with each other bit for bit, run on any x86 test host. Not a serving path:
+// kernels/cpu_linear.py takes loom's bfloat16 GEMM only where the CPU has avx512_bf16.
+void bf_gemm_plain(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
+                   const float* bias, void* C, int64_t ldc, bool out_f32, int nthreads) {
+  const int64_t K2 = (K + 1) / 2;
+#pragma omp parallel for num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, N)))
+  for (int64_t n = 0; n < N; ++n) {
+    const uint16_t* B = Bp + ((n / BF_NR) * K2 * BF_NR + n % BF_NR) * 2;  // column n's pair at k2: B + 2 BF_NR k2
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* a = A + m * lda;
+      float acc = 0.f;
+      for (int64_t k2 = 0; k2 < K2; ++k2) {
+        const uint16_t* b = B + 2 * BF_NR * k2;
+        const float odd = 2 * k2 + 1 < K ? to_f32(bf16_t{a[2 * k2 + 1]}) : 0.f;  // past an odd K: x's zero half
+        acc += odd * to_f32(bf16_t{b[1]});
+        acc += to_f32(bf16_t{a[2 * k2]}) * to_f32(bf16_t{b[0]});
+      }
+      const float r = bias ? acc + bias[n] : acc;
+      if (out_f32)
+        static_cast<float*>(C)[m * ldc + n] = r;
+      else
+        static_cast<bf16_t*>(C)[m * ldc + n] = to_bf16(r);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -149,15 +177,20 @@ void loom_gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t* Bp) 
 }
 
 // y [M, N] (row stride ldc, bfloat16, or float32 with out_f32) = x [M, K] bfloat16 (row stride lda) @ W^T + bias
-// (float32, nullable), W packed by loom_gemm_bf16_pack; parallel over panels. Only on a CPU with avx512_bf16.
+// (float32, nullable), W packed by loom_gemm_bf16_pack; parallel over panels. On a CPU without avx512_bf16 (or a
+// build without it), bf_gemm_plain: slow, for tests.
 void loom_gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
                     const float* bias, void* C, int64_t ldc, int out_f32, int nthreads) {
-#if LOOM_HAVE_BF16_GEMM
   if (M <= 0) return;
-  const int64_t P = (N + BF_NR - 1) / BF_NR;
+#if LOOM_HAVE_BF16_GEMM
+  if (__builtin_cpu_supports("avx512bf16")) {
+    const int64_t P = (N + BF_NR - 1) / BF_NR;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
-  bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, omp_get_thread_num(), omp_get_num_threads());
+    bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, omp_get_thread_num(), omp_get_num_threads());
+    return;
+  }
 #endif
+  bf_gemm_plain(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, nthreads);
 }
 
 }  // extern "C"

@@ -11,7 +11,7 @@
 //
 // Float32 or bfloat16 activations, caches and weights (act): bfloat16 runs the kernels' bfloat16 variants (16-bit
 // storage, float32 math) and loom's bfloat16 GEMM (gemm_bf16.cpp), as the Python path does where the policy picked that
-// GEMM; without LoRA (its steps run the Python path).
+// GEMM, each linear's LoRA after it (lora.cpp run_pass_bf16).
 
 namespace {
 
@@ -114,11 +114,15 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
     gemm(x, K, st.T, K, static_cast<const float*>(l.panels), l.N, l.bias, y, l.N, mc, st.nthreads, nullptr, f);
 }
 
-// bfloat16: loom's bfloat16 GEMM (the layer takes no LoRA in bfloat16)
-void layer_linear(const LoomLinear& l, bool, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
+// bfloat16: loom's bfloat16 GEMM, then the LoRA pass on its bfloat16 output (the Python layers' GEMM and
+// lora_apply_cpu_bf16: the same bits)
+void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
                   const Ahead&) {
   loom_gemm_bf16(reinterpret_cast<const uint16_t*>(x), K, st.T, K, static_cast<const uint16_t*>(l.panels), l.N,
                  l.bias, y, l.N, 0, st.nthreads);
+  if (lora && l.lora_a)
+    run_pass_bf16(x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
+                  st.nthreads);
 }
 
 // the kernels by activation type: float32 or bfloat16 (the bfloat16 norm takes float32 or bfloat16 weights)
