@@ -350,8 +350,10 @@ void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad
 // One token's delta over columns [c0, c1) of its y row (all in one slice), with expand_tile's arithmetic column for
 // column: a column in the 16-wide part of its slice (c < vec_end) sums the rank with fused multiply-adds and adds
 // sc * delta fused; a tail column (and every column without AVX2) multiplies and adds separately. So a GEMM that adds
-// the delta to its output tile (loom_gemm_lora) gives bitwise what loom_lora_apply adds to that output.
-inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb, int64_t rank, float sc, int64_t c0,
+// the delta to its output tile (loom_gemm_lora) gives bitwise what loom_lora_apply adds to that output. b: B's rows
+// in the pool's element type T, widened as read.
+template <class T>
+inline void expand_row(float* y, const float* coef, const T* b, int64_t ldb, int64_t rank, float sc, int64_t c0,
                        int64_t c1, int64_t vec_end) {
   int64_t c = c0;
 #ifdef __AVX2__
@@ -363,10 +365,10 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
     for (int64_t r = 0; r < rank; ++r) {
       const __m256 cr = _mm256_broadcast_ss(coef + r);
-      const float* br = b + r * ldb + c;
-      a0 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br), a0);
-      a1 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 8), a1);
-      a2 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 16), a2);
+      const T* br = b + r * ldb + c;
+      a0 = _mm256_fmadd_ps(cr, load8(br), a0);
+      a1 = _mm256_fmadd_ps(cr, load8(br + 8), a1);
+      a2 = _mm256_fmadd_ps(cr, load8(br + 16), a2);
     }
     const __m256 sv = _mm256_set1_ps(sc);
     _mm256_storeu_ps(y + c, _mm256_fmadd_ps(sv, a0, _mm256_loadu_ps(y + c)));
@@ -376,12 +378,12 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
   for (; c + 8 <= v1; c += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < rank; ++r)
-      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(coef + r), _mm256_loadu_ps(b + r * ldb + c), acc);
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(coef + r), load8(b + r * ldb + c), acc);
     _mm256_storeu_ps(y + c, _mm256_fmadd_ps(_mm256_set1_ps(sc), acc, _mm256_loadu_ps(y + c)));
   }
   for (; c < v1; ++c) {
     float d = 0.f;
-    for (int64_t r = 0; r < rank; ++r) d = std::fma(coef[r], b[r * ldb + c], d);
+    for (int64_t r = 0; r < rank; ++r) d = std::fma(coef[r], to_f32(b[r * ldb + c]), d);
     y[c] = std::fma(sc, d, y[c]);
   }
 #else
