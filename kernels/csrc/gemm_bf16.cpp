@@ -39,10 +39,11 @@ struct Bf16LoraEpilogue {
                    const int32_t* seg, const int32_t* rows_, const int32_t* ranks_, const float* scal_, int64_t G,
                    int nthreads)
       : pools(p), offs(offs_), rows(rows_), ranks(ranks_), scal(scal_), group(M, -1) {
-    int64_t max_rank = 0;
+    int64_t max_rank = 0, tile = 1;  // tile: the most tokens shrunk together (a decode step: one or two)
     for (int64_t g = 0; g < G; ++g) {
       if (ranks[g] <= 0) continue;
       max_rank = std::max<int64_t>(max_rank, ranks[g]);
+      tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(tile, seg[g + 1] - seg[g]));
       for (int64_t t = seg[g]; t < seg[g + 1]; ++t) group[tok[t]] = int32_t(g);
     }
     rank_pad = (max_rank + 3) / 4 * 4;
@@ -51,25 +52,25 @@ struct Bf16LoraEpilogue {
     const int64_t K = p.K;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, G)))
     {
-      std::vector<float> xw(LORA_MAX_TILE * K), cf(LORA_MAX_TILE * ld);
+      std::unique_ptr<float[]> xw(new float[tile * K]), cf(new float[tile * ld]);
       const float* xr[LORA_MAX_TILE];
 #pragma omp for schedule(dynamic, 1)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t rk = ranks[g];
         if (rk <= 0) continue;
-        for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += LORA_MAX_TILE) {
-          const int64_t nt = std::min<int64_t>(LORA_MAX_TILE, seg[g + 1] - t0);
+        for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += tile) {
+          const int64_t nt = std::min<int64_t>(tile, seg[g + 1] - t0);
           for (int64_t i = 0; i < nt; ++i) {
-            widen(x + tok[t0 + i] * xs, xw.data() + i * K, K);
-            xr[i] = xw.data() + i * K;
+            widen(x + tok[t0 + i] * xs, xw.get() + i * K, K);
+            xr[i] = xw.get() + i * K;
           }
           with_type(p.dt, [&](auto tag) {
             using T = decltype(tag);
             for (int64_t s = 0; s < p.S; ++s)
-              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.data() + s * rank_pad, ld);
+              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.get() + s * rank_pad, ld);
           });
           for (int64_t i = 0; i < nt; ++i)
-            std::memcpy(coef.data() + tok[t0 + i] * ld, cf.data() + i * ld, ld * sizeof(float));
+            std::memcpy(coef.data() + tok[t0 + i] * ld, cf.get() + i * ld, ld * sizeof(float));
         }
       }
     }

@@ -596,8 +596,10 @@ void run_pass_bf16(const bf16_t* x, int64_t xs, const Pools& pools, const int64_
   std::unique_ptr<float[]> xw(new float[n * K]), yw(new float[n * N]);
   std::vector<int64_t> idx(first + n);  // the pass's token indices: token t's rows of xw and yw
   for (int64_t t = first; t < first + n; ++t) idx[t] = t - first;
+  // threads only for a prefill chunk's rows: a decode step's few rows cost less than waking them
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, n)));
-#pragma omp parallel for num_threads(nt)
+  const bool many = n * (K + N) >= (int64_t(1) << 18);
+#pragma omp parallel for num_threads(nt) if (many)
   for (int64_t i = 0; i < n; ++i) {
     widen(x + tok[first + i] * xs, xw.get() + i * K, K);
     widen(y + tok[first + i] * ys, yw.get() + i * N, N);
@@ -605,7 +607,7 @@ void run_pass_bf16(const bf16_t* x, int64_t xs, const Pools& pools, const int64_
   run_pass(LoraPass{xw.get(), K, pools, offs, yw.get(), N, idx.data(), seg, rows, ranks, scal, G,
                     LoraItems(seg, ranks, G, nthreads)},
            nthreads);
-#pragma omp parallel for num_threads(nt)
+#pragma omp parallel for num_threads(nt) if (many)
   for (int64_t i = 0; i < n; ++i) narrow(yw.get() + i * N, y + tok[first + i] * ys, N);
 }
 
