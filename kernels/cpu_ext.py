@@ -62,6 +62,8 @@ _SIGNATURES = {
                            _F32, _I64, _F32, _I64, _I32],
     "loom_lora_apply": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P,
                         _I64, _I32],
+    "loom_lora_apply_bf16": [_P, _I64, _P, _I32, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P,
+                             _P, _I64, _I32],
     "loom_store_kv": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64],
     "loom_rms_norm": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _P, _I64, _I64, _I64, _I32],
     "loom_rotary": [_P, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32],
@@ -87,6 +89,8 @@ _SIGNATURES = {
     "loom_gemm_bf16_panel_width": [],
     "loom_gemm_bf16_pack": [_P, _I64, _I64, _P],
     "loom_gemm_bf16": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32],
+    "loom_gemm_bf16_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _I64, _I64, _P, _I64, _P, _P,
+                            _P, _P, _P, _P, _I64, _I32],
 }
 # the bfloat16 variants of the pointwise, KV store and attention kernels (ACT_SUFFIX): the same arguments, but the
 # norm's, which also says whether its weight is float32

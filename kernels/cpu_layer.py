@@ -63,7 +63,7 @@ class LayerArgs:
                  dtype: torch.dtype = torch.float32):
         self.lib, self.struct, self.keep = lib, struct, keep  # keep: tensors only the struct points to
         self.hidden, self.q_size, self.inter = hidden, q_size, inter
-        self.dtype = dtype  # of the activations, caches and workspace: float32, or bfloat16 (no LoRA)
+        self.dtype = dtype  # of the activations, caches and workspace: float32 or bfloat16
         self.attn_only = bool(struct.attn_only)  # a MoE layer: the call stops at its block's input
 
     def workspace_floats(self, T: int) -> int:
@@ -84,12 +84,13 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
     runs its Python path).
 
     bfloat16: every linear a PackedBf16 (loom's bfloat16 GEMM), the caches bfloat16, the norm weights all bfloat16
-    or all float32; adapter pools are not passed (a step with LoRA runs the Python path: StepArgs.takes)."""
+    or all float32; each linear's LoRA runs after its GEMM on the bfloat16 output (lora.cpp run_pass_bf16)."""
+    if not all(a is None or cpu_ext.adapter_type(a, b) is not None for _, a, b, _ in linears):
+        return None
     if all(isinstance(p, PackedBf16) for p, *_ in linears):
         return _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache,
                                 scale, window, softcap, qk_norms, rotary_dim, output_norms, gelu)
-    if not all(isinstance(p, PackedWeight) and _f32(p.bias) and (a is None or cpu_ext.adapter_type(a, b) is not None)
-               for p, a, b, _ in linears):
+    if not all(isinstance(p, PackedWeight) and _f32(p.bias) for p, *_ in linears):
         return None
     lib = linears[0][0].lib
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
@@ -98,14 +99,8 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
                                                                k_norm, post_attn, post_ff) \
             or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return None
-    keep, structs = [], []
-    for p, a, b, offs in linears:
-        o = cpu_lora.offsets_tensor(tuple(offs))
-        keep.append(o)
-        structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
-                               0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
-                               0 if a is None else a.shape[1], 0 if a is None else a.stride(1),
-                               0 if b is None else b.stride(0), o.data_ptr()))
+    keep = []
+    structs = _linear_structs(linears, keep)
     window, cap = attention_options(window, softcap)
     attn_only = len(linears) == 2
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
@@ -116,6 +111,19 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
                     int(gelu), int(attn_only), 0, 0)
     keep += [norm_in, norm_post, q_norm, k_norm, post_attn, post_ff]  # (1 + w) copies live only here
     return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter)
+
+
+def _linear_structs(linears, keep: list) -> list:
+    """The linears as the C++ layer reads them: panels, bias, LoRA pools and slice offsets (added to keep)."""
+    structs = []
+    for p, a, b, offs in linears:
+        o = cpu_lora.offsets_tensor(tuple(offs))
+        keep.append(o)
+        structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
+                               0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
+                               0 if a is None else a.shape[1], 0 if a is None else a.stride(1),
+                               0 if b is None else b.stride(0), o.data_ptr()))
+    return structs
 
 
 def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache, scale,
@@ -130,8 +138,8 @@ def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim
             or not _of(torch.float32 if norm_f32 else torch.bfloat16, *norms) \
             or not _of(torch.bfloat16, k_cache, v_cache) or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return None
-    structs = [_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), None, None, 0, 0, 0, 0, 0, None)
-               for p, *_ in linears]
+    keep = list(norms)
+    structs = _linear_structs(linears, keep)
     window, cap = attention_options(window, softcap)
     attn_only = len(linears) == 2
     hidden, inter = linears[0][0].in_features, 0 if attn_only else linears[3][0].in_features
@@ -140,7 +148,7 @@ def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim
                     cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_size_of(k_cache), scale, window,
                     cap, _ptr(q_norm), _ptr(k_norm), qk_eps, rotary_dim or head_dim, _ptr(post_attn), _ptr(post_ff),
                     int(gelu), int(attn_only), cpu_ext.ACT_CODES[torch.bfloat16], int(norm_f32))
-    return LayerArgs(lib, struct, list(norms), hidden, heads * head_dim, inter, torch.bfloat16)
+    return LayerArgs(lib, struct, keep, hidden, heads * head_dim, inter, torch.bfloat16)
 
 
 class StepArgs:

@@ -62,15 +62,20 @@ def takes_bf16(x, lora_a, lora_b, y) -> bool:
 
 
 def lora_apply_cpu_bf16(x, y, lora_a, lora_b, slice_offsets, meta):
-    """lora_apply_cpu on bfloat16 rows: x and y widened to float32 (exact), the float32 pass, each changed y rounded
-    once back to bfloat16 (the others come back as they were). The bfloat16 reference's per-group torch ops cost
-    ~32 small matmuls a linear at 32 adapters (bench_lora's setting did not finish in 10 minutes); the widening is two
-    passes over [tokens, features]."""
+    """lora_apply_cpu on bfloat16 rows, in place in y: bitwise what widening x and y to float32 (exact), the float32
+    pass and rounding y back to bfloat16 give (rows without an adapter come back as they were), but only the adapter
+    tokens' rows are widened, in C++ (kernels/csrc/lora.cpp run_pass_bf16, which the bfloat16 C++ layer runs too).
+    The bfloat16 reference's per-group torch ops cost ~32 small matmuls a linear at 32 adapters (bench_lora's setting
+    did not finish in 10 minutes)."""
     if meta.num_groups == 0 or meta.token_indices.numel() == 0:
         return y
-    y32 = y.float()
-    lora_apply_cpu(x.float(), y32, lora_a, lora_b, slice_offsets, meta)
-    y.copy_(y32)
+    offs, tok, seg, rows, ranks, scal = _groups(meta, slice_offsets)
+    S, R, K = lora_a.shape
+    cpu_ext.built().loom_lora_apply_bf16(
+        x.data_ptr(), x.stride(0), lora_a.data_ptr(), cpu_ext.ADAPTER_TYPES[lora_a.dtype], S, R, K, lora_a.stride(1),
+        lora_b.data_ptr(), lora_b.shape[1], lora_b.stride(0), offs.data_ptr(), y.data_ptr(), y.stride(0),
+        tok.data_ptr(), seg.data_ptr(), rows.data_ptr(), ranks.data_ptr(), scal.data_ptr(), meta.num_groups,
+        cpu_ext.nthreads())
     return y
 
 

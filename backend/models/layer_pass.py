@@ -158,8 +158,6 @@ class LayerPass:
                 slots.dtype != torch.int64 or not slots.is_contiguous() or slots.shape[0] != T:
             return None
         lora = ctx.lora
-        if args.dtype != torch.float32 and lora is not None and lora.num_groups and lora.token_indices.numel():
-            return None  # the bfloat16 layer takes no LoRA: the Python path applies it
         # the linears adapters of this step target (each applies them only where it has pools)
         groups = tuple(lora is not None and (lora.module_groups is None or name in lora.module_groups)
                        for name in _GROUPS)

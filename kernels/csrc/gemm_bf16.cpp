@@ -22,6 +22,84 @@ namespace {
 constexpr int64_t BF_NR = 48;
 constexpr int BF_MR = 8;
 
+// A decode step's LoRA in the bfloat16 GEMM (the C++ layer's linears): each adapter token's shrink first (coef), then
+// each output tile's rows get their deltas right after the tile stored them, while they are in L1, instead of a pass
+// over y after the GEMM. Bitwise run_pass_bf16 on the GEMM's output: the rounded output widened, expand_row's
+// arithmetic (expand_tile's, column for column), rounded once.
+struct Bf16LoraEpilogue {
+  Pools pools;
+  const int64_t* offs;
+  const int32_t *rows, *ranks;
+  const float* scal;
+  int64_t rank_pad = 0, ld = 0;  // coef: ld floats a token, slice s's rank products from s * rank_pad
+  std::vector<float> coef;       // by row of y
+  std::vector<int32_t> group;    // y row -> its group, -1: none
+
+  Bf16LoraEpilogue(const bf16_t* x, int64_t xs, int64_t M, const Pools& p, const int64_t* offs_, const int64_t* tok,
+                   const int32_t* seg, const int32_t* rows_, const int32_t* ranks_, const float* scal_, int64_t G,
+                   int nthreads)
+      : pools(p), offs(offs_), rows(rows_), ranks(ranks_), scal(scal_), group(M, -1) {
+    int64_t max_rank = 0, tile = 1;  // tile: the most tokens shrunk together (a decode step: one or two)
+    for (int64_t g = 0; g < G; ++g) {
+      if (ranks[g] <= 0) continue;
+      max_rank = std::max<int64_t>(max_rank, ranks[g]);
+      tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(tile, seg[g + 1] - seg[g]));
+      for (int64_t t = seg[g]; t < seg[g + 1]; ++t) group[tok[t]] = int32_t(g);
+    }
+    rank_pad = (max_rank + 3) / 4 * 4;
+    ld = p.S * rank_pad;
+    coef.resize(M * ld);
+    const int64_t K = p.K;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, G)))
+    {
+      std::unique_ptr<float[]> xw(new float[tile * K]), cf(new float[tile * ld]);
+      const float* xr[LORA_MAX_TILE];
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t rk = ranks[g];
+        if (rk <= 0) continue;
+        for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += tile) {
+          const int64_t nt = std::min<int64_t>(tile, seg[g + 1] - t0);
+          for (int64_t i = 0; i < nt; ++i) {
+            widen(x + tok[t0 + i] * xs, xw.get() + i * K, K);
+            xr[i] = xw.get() + i * K;
+          }
+          with_type(p.dt, [&](auto tag) {
+            using T = decltype(tag);
+            for (int64_t s = 0; s < p.S; ++s)
+              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.get() + s * rank_pad, ld);
+          });
+          for (int64_t i = 0; i < nt; ++i)
+            std::memcpy(coef.data() + tok[t0 + i] * ld, cf.get() + i * ld, ld * sizeof(float));
+        }
+      }
+    }
+  }
+
+  // rows [m, m + mr) of y, columns [c0, c1) (at most BF_NR), just stored by the GEMM: each adapter row's delta
+  void apply(bf16_t* y, int64_t ldy, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
+    float tmp[BF_NR];
+    for (int64_t t = m; t < m + mr; ++t) {
+      const int32_t g = group[t];
+      if (g < 0) continue;
+      bf16_t* yr = y + t * ldy + c0;
+      widen(yr, tmp, c1 - c0);
+      with_type(pools.dt, [&](auto tag) {
+        using T = decltype(tag);
+        const T* b = pools.b_rows<T>(rows[g]) + c0;  // column c of the tile: tmp[c - c0], b[c - c0]
+        for (int64_t s = 0; s < pools.S; ++s) {
+          const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
+          if (lo >= hi) continue;
+          const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
+          expand_row(tmp, coef.data() + t * ld + s * rank_pad, b, pools.bn, ranks[g], scal[g], lo - c0, hi - c0,
+                     vec_end - c0);
+        }
+      });
+      narrow(tmp, yr, c1 - c0);
+    }
+  }
+};
+
 #if LOOM_HAVE_BF16_GEMM
 
 // 16 float32 lanes rounded to bfloat16, nearest even (VCVTNEPS2BF16: NaN stays NaN)
@@ -92,7 +170,8 @@ LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint1
 
 // panel p over rows [0, M): its row tiles, each prefetching a share of the next panel
 LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
-                               int64_t p, const float* bias, void* C, int64_t ldc, bool out_f32) {
+                               int64_t p, const float* bias, void* C, int64_t ldc, bool out_f32,
+                               const Bf16LoraEpilogue* ep) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, K2 = (K + 1) / 2, panel_lines = (K2 * BF_NR * 4 + 63) / 64;
   const int64_t tiles = (M + BF_MR - 1) / BF_MR, per_tile = (panel_lines + tiles - 1) / tiles;
   const uint16_t* B = Bp + p * K2 * BF_NR * 2;
@@ -115,17 +194,66 @@ LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_
       case 7: bf_tile<7>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
       default: bf_tile<8>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
     }
+    if (ep) ep->apply(static_cast<bf16_t*>(C), ldc, m, std::min<int64_t>(BF_MR, M - m), p * BF_NR, p * BF_NR + nc);
   }
 }
 
 // a thread's contiguous share of the panels
 LOOM_BF16_TARGET void bf_panels(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
-                                const float* bias, void* C, int64_t ldc, bool out_f32, int t, int nt) {
+                                const float* bias, void* C, int64_t ldc, bool out_f32, int t, int nt,
+                                const Bf16LoraEpilogue* ep) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, p0 = P * t / nt, p1 = P * (t + 1) / nt;
-  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32);
+  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32, ep);
 }
 
 #endif
+
+// The product on a CPU without avx512_bf16, an element at a time in VDPBF16PS's documented order (each pair's odd
+// term, then its even one: exact products added in float32, rounded to nearest even; no denormal flushing): loom's
+// bfloat16 paths, which the tests compare with each other bit for bit, run on any x86 test host. Not a serving path:
+// kernels/cpu_linear.py takes loom's bfloat16 GEMM only where the CPU has avx512_bf16.
+void bf_gemm_plain(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
+                   const float* bias, void* C, int64_t ldc, bool out_f32, int nthreads, const Bf16LoraEpilogue* ep) {
+  const int64_t K2 = (K + 1) / 2, P = (N + BF_NR - 1) / BF_NR;
+#pragma omp parallel for num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t c1 = std::min(N, (p + 1) * BF_NR);
+    for (int64_t n = p * BF_NR; n < c1; ++n) {
+      const uint16_t* B = Bp + (p * K2 * BF_NR + n % BF_NR) * 2;  // column n's pair at k2: B + 2 BF_NR k2
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* a = A + m * lda;
+        float acc = 0.f;
+        for (int64_t k2 = 0; k2 < K2; ++k2) {
+          const uint16_t* b = B + 2 * BF_NR * k2;
+          const float odd = 2 * k2 + 1 < K ? to_f32(bf16_t{a[2 * k2 + 1]}) : 0.f;  // past an odd K: x's zero half
+          acc += odd * to_f32(bf16_t{b[1]});
+          acc += to_f32(bf16_t{a[2 * k2]}) * to_f32(bf16_t{b[0]});
+        }
+        const float r = bias ? acc + bias[n] : acc;
+        if (out_f32)
+          static_cast<float*>(C)[m * ldc + n] = r;
+        else
+          static_cast<bf16_t*>(C)[m * ldc + n] = to_bf16(r);
+      }
+    }
+    if (ep) ep->apply(static_cast<bf16_t*>(C), ldc, 0, M, p * BF_NR, c1);
+  }
+}
+
+// loom_gemm_bf16's work; ep (nullable, bfloat16 output only): the LoRA deltas added to each output tile
+void gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N, const float* bias,
+               void* C, int64_t ldc, bool out_f32, int nthreads, const Bf16LoraEpilogue* ep = nullptr) {
+  if (M <= 0) return;
+#if LOOM_HAVE_BF16_GEMM
+  if (__builtin_cpu_supports("avx512bf16")) {
+    const int64_t P = (N + BF_NR - 1) / BF_NR;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
+    bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, omp_get_thread_num(), omp_get_num_threads(), ep);
+    return;
+  }
+#endif
+  bf_gemm_plain(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, nthreads, ep);
+}
 
 }  // namespace
 
@@ -149,15 +277,24 @@ void loom_gemm_bf16_pack(const uint16_t* W, int64_t N, int64_t K, uint16_t* Bp) 
 }
 
 // y [M, N] (row stride ldc, bfloat16, or float32 with out_f32) = x [M, K] bfloat16 (row stride lda) @ W^T + bias
-// (float32, nullable), W packed by loom_gemm_bf16_pack; parallel over panels. Only on a CPU with avx512_bf16.
+// (float32, nullable), W packed by loom_gemm_bf16_pack; parallel over panels. On a CPU without avx512_bf16 (or a
+// build without it), bf_gemm_plain: slow, for tests.
 void loom_gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
                     const float* bias, void* C, int64_t ldc, int out_f32, int nthreads) {
-#if LOOM_HAVE_BF16_GEMM
-  if (M <= 0) return;
-  const int64_t P = (N + BF_NR - 1) / BF_NR;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
-  bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, omp_get_thread_num(), omp_get_num_threads());
-#endif
+  gemm_bf16(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, nthreads);
+}
+
+// C [M, N] bfloat16 = loom_gemm_bf16's product, each adapter token's LoRA delta added to its output tiles as they are
+// stored (Bf16LoraEpilogue: the C++ layer's decode linears); pools and groups as loom_lora_apply_bf16 takes them, N
+// their width. Bitwise loom_gemm_bf16 followed by loom_lora_apply_bf16.
+void loom_gemm_bf16_lora(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
+                         const float* bias, bf16_t* C, int64_t ldc, const void* a, int dt, int64_t S, int64_t R,
+                         int64_t ak, const void* b, int64_t bn, const int64_t* offs, const int64_t* tok,
+                         const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G,
+                         int nthreads) {
+  const Bf16LoraEpilogue ep(reinterpret_cast<const bf16_t*>(A), lda, M, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, tok,
+                            seg, rows, ranks, scal, G, nthreads);
+  gemm_bf16(A, lda, M, K, Bp, N, bias, C, ldc, false, nthreads, &ep);
 }
 
 }  // extern "C"

@@ -11,7 +11,7 @@
 //
 // Float32 or bfloat16 activations, caches and weights (act): bfloat16 runs the kernels' bfloat16 variants (16-bit
 // storage, float32 math) and loom's bfloat16 GEMM (gemm_bf16.cpp), as the Python path does where the policy picked that
-// GEMM; without LoRA (its steps run the Python path).
+// GEMM, each linear's LoRA on its output (in its output tiles in decode).
 
 namespace {
 
@@ -114,11 +114,29 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
     gemm(x, K, st.T, K, static_cast<const float*>(l.panels), l.N, l.bias, y, l.N, mc, st.nthreads, nullptr, f);
 }
 
-// bfloat16: loom's bfloat16 GEMM (the layer takes no LoRA in bfloat16)
-void layer_linear(const LoomLinear& l, bool, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
+// bfloat16: loom's bfloat16 GEMM and the LoRA pass on its bfloat16 output (the Python layers' GEMM and
+// lora_apply_cpu_bf16: the same bits). A step whose groups are all under fuse_min tokens (decode) has each token's
+// delta added to the GEMM's output tiles as they are stored (Bf16LoraEpilogue); a prefill chunk's groups the pass after
+// the GEMM.
+void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
                   const Ahead&) {
-  loom_gemm_bf16(reinterpret_cast<const uint16_t*>(x), K, st.T, K, static_cast<const uint16_t*>(l.panels), l.N,
-                 l.bias, y, l.N, 0, st.nthreads);
+  const auto* xa = reinterpret_cast<const uint16_t*>(x);
+  const auto* panels = static_cast<const uint16_t*>(l.panels);
+  if (!(lora && l.lora_a)) {
+    gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads);
+    return;
+  }
+  bool small = true;
+  for (int64_t g = 0; g < st.groups; ++g) small = small && st.seg[g + 1] - st.seg[g] < st.fuse_min;
+  if (small) {
+    const Bf16LoraEpilogue ep(x, K, st.T, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
+                              st.nthreads);
+    gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads, &ep);
+  } else {
+    gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads);
+    run_pass_bf16(x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
+                  st.nthreads);
+  }
 }
 
 // the kernels by activation type: float32 or bfloat16 (the bfloat16 norm takes float32 or bfloat16 weights)

@@ -350,8 +350,10 @@ void expand_tile(float* const* y, int64_t nt, const float* buf, int64_t rank_pad
 // One token's delta over columns [c0, c1) of its y row (all in one slice), with expand_tile's arithmetic column for
 // column: a column in the 16-wide part of its slice (c < vec_end) sums the rank with fused multiply-adds and adds
 // sc * delta fused; a tail column (and every column without AVX2) multiplies and adds separately. So a GEMM that adds
-// the delta to its output tile (loom_gemm_lora) gives bitwise what loom_lora_apply adds to that output.
-inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb, int64_t rank, float sc, int64_t c0,
+// the delta to its output tile (loom_gemm_lora) gives bitwise what loom_lora_apply adds to that output. b: B's rows
+// in the pool's element type T, widened as read.
+template <class T>
+inline void expand_row(float* y, const float* coef, const T* b, int64_t ldb, int64_t rank, float sc, int64_t c0,
                        int64_t c1, int64_t vec_end) {
   int64_t c = c0;
 #ifdef __AVX2__
@@ -363,10 +365,10 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
     for (int64_t r = 0; r < rank; ++r) {
       const __m256 cr = _mm256_broadcast_ss(coef + r);
-      const float* br = b + r * ldb + c;
-      a0 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br), a0);
-      a1 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 8), a1);
-      a2 = _mm256_fmadd_ps(cr, _mm256_loadu_ps(br + 16), a2);
+      const T* br = b + r * ldb + c;
+      a0 = _mm256_fmadd_ps(cr, load8(br), a0);
+      a1 = _mm256_fmadd_ps(cr, load8(br + 8), a1);
+      a2 = _mm256_fmadd_ps(cr, load8(br + 16), a2);
     }
     const __m256 sv = _mm256_set1_ps(sc);
     _mm256_storeu_ps(y + c, _mm256_fmadd_ps(sv, a0, _mm256_loadu_ps(y + c)));
@@ -376,12 +378,12 @@ inline void expand_row(float* y, const float* coef, const float* b, int64_t ldb,
   for (; c + 8 <= v1; c += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < rank; ++r)
-      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(coef + r), _mm256_loadu_ps(b + r * ldb + c), acc);
+      acc = _mm256_fmadd_ps(_mm256_broadcast_ss(coef + r), load8(b + r * ldb + c), acc);
     _mm256_storeu_ps(y + c, _mm256_fmadd_ps(_mm256_set1_ps(sc), acc, _mm256_loadu_ps(y + c)));
   }
   for (; c < v1; ++c) {
     float d = 0.f;
-    for (int64_t r = 0; r < rank; ++r) d = std::fma(coef[r], b[r * ldb + c], d);
+    for (int64_t r = 0; r < rank; ++r) d = std::fma(coef[r], to_f32(b[r * ldb + c]), d);
     y[c] = std::fma(sc, d, y[c]);
   }
 #else
@@ -581,6 +583,34 @@ void run_pass(const LoraPass& pass, int nthreads) {
   }
 }
 
+// run_pass on bfloat16 rows x and y: the groups' token rows of x and of y's first offs[S] columns widened to float32
+// (exact) into scratch, the float32 pass over them, each rounded back to bfloat16 once. Bitwise what widening all of
+// x and y, the pass and rounding all of y give (a row no group changes comes back as it was), the bfloat16 engine's
+// LoRA both where its Python layers run it (loom_lora_apply_bf16) and where the C++ layer does (layer.cpp), without
+// two passes over all of x and y.
+void run_pass_bf16(const bf16_t* x, int64_t xs, const Pools& pools, const int64_t* offs, bf16_t* y, int64_t ys,
+                   const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal,
+                   int64_t G, int nthreads) {
+  const int64_t first = G > 0 ? seg[0] : 0, n = G > 0 ? seg[G] - first : 0, K = pools.K, N = offs[pools.S];
+  if (n <= 0) return;
+  std::unique_ptr<float[]> xw(new float[n * K]), yw(new float[n * N]);
+  std::vector<int64_t> idx(first + n);  // the pass's token indices: token t's rows of xw and yw
+  for (int64_t t = first; t < first + n; ++t) idx[t] = t - first;
+  // threads only for a prefill chunk's rows: a decode step's few rows cost less than waking them
+  const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, n)));
+  const bool many = n * (K + N) >= (int64_t(1) << 18);
+#pragma omp parallel for num_threads(nt) if (many)
+  for (int64_t i = 0; i < n; ++i) {
+    widen(x + tok[first + i] * xs, xw.get() + i * K, K);
+    widen(y + tok[first + i] * ys, yw.get() + i * N, N);
+  }
+  run_pass(LoraPass{xw.get(), K, pools, offs, yw.get(), N, idx.data(), seg, rows, ranks, scal, G,
+                    LoraItems(seg, ranks, G, nthreads)},
+           nthreads);
+#pragma omp parallel for num_threads(nt) if (many)
+  for (int64_t i = 0; i < n; ++i) narrow(yw.get() + i * N, y + tok[first + i] * ys, N);
+}
+
 }  // namespace
 
 extern "C" {
@@ -592,6 +622,14 @@ void loom_lora_apply(const float* x, int64_t xs, const void* a, int dt, int64_t 
   run_pass(LoraPass{x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G,
                     LoraItems(seg, ranks, G, nthreads)},
            nthreads);
+}
+
+// loom_lora_apply on bfloat16 x and y (run_pass_bf16)
+void loom_lora_apply_bf16(const bf16_t* x, int64_t xs, const void* a, int dt, int64_t S, int64_t R, int64_t K,
+                          int64_t ak, const void* b, int64_t N, int64_t bn, const int64_t* offs, bf16_t* y, int64_t ys,
+                          const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                          const float* scal, int64_t G, int nthreads) {
+  run_pass_bf16(x, xs, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, y, ys, tok, seg, rows, ranks, scal, G, nthreads);
 }
 
 }  // extern "C"

@@ -10,7 +10,7 @@ import torch
 from harness.hf_models import MOE_FAMILIES, make_hf_model, make_peft_adapter, random_prompts
 from loom.engine.llm import LLM
 from loom.engine.sampling_params import SamplingParams
-from loom.kernels import policy
+from loom.kernels import cpu_ext, cpu_linear, policy
 from loom.models import layer_pass as lp_mod
 from loom.models.layer_pass import LayerPass
 
@@ -86,11 +86,23 @@ def test_layer_pass_gives_the_python_layers_bits(family, threads, monkeypatch):
 BF16_FAMILIES = ["llama", "qwen3", "gemma2", "qwen3_moe"]
 
 
+@pytest.fixture(scope="module")
+def loom_bf16_gemm():
+    """The bfloat16 layer pass runs over loom's bfloat16 GEMM, which the policy picks where the CPU has avx512_bf16
+    and no AMX (oneDNN drives AMX): picked here on every host, where the CPU lacks avx512_bf16 as the GEMM's plain
+    loop in VDPBF16PS's order (kernels/csrc/gemm_bf16.cpp), so the layer pass and the Python layers share one GEMM
+    on every x86 CI host."""
+    if cpu_ext.load() is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_linear, "loom_bf16_gemm", lambda lib=None: True)
+        mp.setattr(policy, "_bf16_gemms", lambda: (True, False))
+        assert policy.decide("cpu", torch.bfloat16).layer_pass
+        yield
+
+
 @pytest.fixture(scope="module", params=BF16_FAMILIES)
-def bf16_family(request, tmp_path_factory):
-    if not policy.decide("cpu", torch.bfloat16).layer_pass:
-        pytest.skip("the bfloat16 layer pass runs over loom's bfloat16 GEMM, which needs avx512_bf16 (no AMX) and "
-                    f"the C++ kernels: this host's bfloat16 path is {policy.decide('cpu', torch.bfloat16)}")
+def bf16_family(request, tmp_path_factory, loom_bf16_gemm):
     root = tmp_path_factory.mktemp(f"layerpass-bf16-{request.param}")
     _, path = make_hf_model(request.param, root, bias_std=0.5)
     every = ATTN + ([] if request.param in MOE_FAMILIES else MLP)
@@ -101,16 +113,17 @@ def bf16_family(request, tmp_path_factory):
 
 def test_bf16_layer_pass_gives_the_python_layers_bits(bf16_family, monkeypatch):
     """In bfloat16 the one-call layer runs the kernels the Python layers call (loom's bfloat16 GEMM, the bfloat16
-    norms, rope, KV store, attention, activation) in the same order: the same bits; steps with LoRA run the Python
-    layers in both."""
+    norms, rope, KV store, attention, activation, each linear's LoRA pass on the GEMM's bfloat16 output) in the same
+    order: the same bits, through steps with adapters of ranks 8 and 4 (all projections, q/v only) beside base rows."""
     name, path, adapters = bf16_family
     calls = []
     run = lp_mod.decoder_layer
-    monkeypatch.setattr(lp_mod, "decoder_layer", lambda *a: (calls.append(1), run(*a))[1])
+    monkeypatch.setattr(lp_mod, "decoder_layer", lambda *a: (calls.append(a[1].struct.groups), run(*a))[1])
     toks_py, hidden_py = _record(_llm(path, adapters, 2, "bfloat16"), on=False)
     assert not calls
     toks, hidden = _record(_llm(path, adapters, 2, "bfloat16"), on=True)
-    assert calls and hidden[0].dtype == torch.bfloat16
+    assert hidden[0].dtype == torch.bfloat16
+    assert any(g == 0 for g in calls) and any(g > 0 for g in calls)  # steps without and with adapters in the pass
     assert toks == toks_py
     assert len(hidden) == len(hidden_py) > 20
     assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_py))

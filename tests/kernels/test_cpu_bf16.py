@@ -237,3 +237,58 @@ def test_lora_bf16(num_tokens, ranks):
     within(got, exact, 2 * (K + max(ranks) + 4) * U32 * size, "lora bf16")
     untouched = owner == -1
     assert torch.equal(got[untouched], y0[untouched])
+
+
+@pytest.mark.parametrize("num_tokens,ranks,pool", [(30, [1, 8, 16, 4], BF16), (7, [16, 3], torch.float32),
+                                                   (32, [16] * 32, BF16)])
+def test_lora_bf16_is_the_widened_float32_pass(num_tokens, ranks, pool):
+    """The bfloat16 pass (kernels/csrc/lora.cpp run_pass_bf16: the Python layers' and the bfloat16 C++ layer's LoRA)
+    widens only the adapter tokens' rows: bitwise what widening all of x and y, the float32 pass and rounding y back
+    give, for adapters of several ranks (rank 1 to 16; slices of 16-wide parts and tails), padded pool rows, a strided
+    y and tokens without an adapter."""
+    from loom.kernels.cpu_lora import lora_apply_cpu, lora_apply_cpu_bf16
+
+    torch.manual_seed(5)
+    meta, R, _ = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    offs, K = [0, 40, 56, 131], 72
+    x = torch.randn(num_tokens, K).to(BF16)
+    y0 = torch.randn(num_tokens, offs[-1] + 9).to(BF16)[:, :offs[-1]]  # rows 140 apart
+    a = torch.randn(3, R, K + 8).to(pool)[:, :, :K]  # pool rows padded, as kernels/cpu_lora.py pool_row makes them
+    b = torch.randn(R, offs[-1] + 16).to(pool)[:, :offs[-1]]
+    got = lora_apply_cpu_bf16(x, y0.clone(), a, b, offs, meta)
+    y32 = y0.float()
+    want = lora_apply_cpu(x.float(), y32, a, b, offs, meta).to(BF16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("num_tokens,ranks,pool", [(9, [1, 8, 16, 4], BF16), (5, [16, 3], torch.float32),
+                                                   (32, [16] * 32, BF16)])
+def test_gemm_bf16_lora_is_the_gemm_then_the_pass(cpu_build, num_tokens, ranks, pool):
+    """loom's bfloat16 GEMM with each adapter token's delta added to its output tiles as they are stored (the C++
+    layer's decode linears; where the CPU lacks avx512_bf16 the GEMM's plain loop): bitwise the GEMM, then the bfloat16
+    pass on its output, over slices with 16-wide parts and tails, panels across slice boundaries, a bias, padded pool
+    rows, ranks 1 to 16 and tokens without an adapter."""
+    from loom.kernels import cpu_ext
+    from loom.kernels.cpu_lora import group_arrays, lora_apply_cpu_bf16, offsets_tensor
+
+    torch.manual_seed(6)
+    meta, R, _ = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    offs, K = [0, 40, 56, 131], 71
+    N, nr = offs[-1], cpu_build.loom_gemm_bf16_panel_width()
+    x, w, bias = torch.randn(num_tokens, K).to(BF16), torch.randn(N, K).to(BF16), torch.randn(N)
+    panels = torch.empty(-(-N // nr) * nr * (-(-K // 2) * 2), dtype=BF16)
+    cpu_build.loom_gemm_bf16_pack(w.data_ptr(), N, K, panels.data_ptr())
+    a = torch.randn(3, R, K + 9).to(pool)[:, :, :K]
+    b = torch.randn(R, N + 16).to(pool)[:, :N]
+    want = torch.empty(num_tokens, N, dtype=BF16)
+    cpu_build.loom_gemm_bf16(x.data_ptr(), K, num_tokens, K, panels.data_ptr(), N, bias.data_ptr(), want.data_ptr(), N,
+                             0, cpu_ext.nthreads())
+    lora_apply_cpu_bf16(x, want, a, b, offs, meta)
+    got = torch.empty(num_tokens, N, dtype=BF16)
+    o = offsets_tensor(tuple(offs))
+    tok, seg, rows, rk, scal = group_arrays(meta)
+    cpu_build.loom_gemm_bf16_lora(x.data_ptr(), K, num_tokens, K, panels.data_ptr(), N, bias.data_ptr(),
+                                  got.data_ptr(), N, a.data_ptr(), cpu_ext.ADAPTER_TYPES[pool], 3, R, a.stride(1),
+                                  b.data_ptr(), b.stride(0), o.data_ptr(), tok.data_ptr(), seg.data_ptr(),
+                                  rows.data_ptr(), rk.data_ptr(), scal.data_ptr(), meta.num_groups, cpu_ext.nthreads())
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
