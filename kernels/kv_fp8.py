@@ -44,6 +44,16 @@ def decode_ref(codes: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = tor
     return (codes.view(torch.float8_e4m3fn).float() * np.float32(scale)).to(dtype)
 
 
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """K/V rows as `cache` holds them: e4m3 codes of x / scale in an fp8 cache, else x in the cache's dtype."""
+    return encode_ref(x, scale) if is_fp8(cache) else x.to(cache.dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """K/V read from a cache (x: its elements), in `dtype`: decoded and scaled where x holds e4m3 codes."""
+    return decode_ref(x, scale, dtype) if is_fp8(x) else x.to(dtype)
+
+
 @triton.jit
 def e4m3_encode(x):
     """float32 -> uint8 e4m3fn code: round to nearest even, saturate to +-448, NaN -> 0x7f with x's sign."""
