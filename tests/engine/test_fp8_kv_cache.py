@@ -27,6 +27,8 @@ def _single_thread(single_thread_torch):
 def test_other_values_are_refused_naming_the_field(value):
     with pytest.raises(ConfigError, match=f"kv_cache_dtype.*{value!r}"):
         EngineConfig(kv_cache_dtype=value)
+    with pytest.raises(ConfigError, match=f"kv_cache_dtype.*{value!r}"):  # the offline API, before any load
+        LLM("/nonexistent", kv_cache_dtype=value)
 
 
 def test_default_model_teacher_forced_top1(default_model_dir):
