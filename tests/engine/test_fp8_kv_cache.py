@@ -92,3 +92,20 @@ def test_kv_cache_scheme_other_than_fp8_per_tensor_is_refused():
                 {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": True}):
         with pytest.raises(ConfigError, match="kv_cache_scheme"):
             check_kv_cache_scheme(bad)
+
+
+def test_prefix_cache_hit_reads_the_same_codes(tmp_path):
+    """A second request with the same prompt reuses the first's fp8 blocks (prefix caching needs nothing special:
+    the codes are what a recomputation would store) and generates the same greedy tokens as a cold engine."""
+    _, path = make_hf_model("llama", tmp_path)
+    prompt = list(range(3, 40))
+    kw = dict(kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory_bytes=1 << 20, cpu_threads=1, block_size=16)
+    llm = LLM(path, **kw)
+    first = llm.generate([prompt], SP(temperature=0, max_tokens=8))[0]
+    again = llm.generate([prompt], SP(temperature=0, max_tokens=8))[0]
+    llm.close()
+    cold = LLM(path, enable_prefix_caching=False, **kw)
+    ref = cold.generate([prompt], SP(temperature=0, max_tokens=8))[0]
+    cold.close()
+    assert again.num_cached_tokens >= 32
+    assert again.token_ids == first.token_ids == ref.token_ids
