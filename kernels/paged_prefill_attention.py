@@ -96,14 +96,16 @@ def _prefill_kernel(
              mask=qd_mask)
 
 
-def prefill_tiles(max_seqlen_q, d_pad, block_m=None):
+def prefill_tiles(max_seqlen_q, d_pad, block_m=None, kv_fp8=False):
     """(BLOCK_M, BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16 on sm_80 and sm_90 (no
     spills; >= 8 warps resident per SM). Short queries (decode-like rows) waste less of a 16-row tile, run as 4 warps
     with narrow key tiles (2-4 CTAs per SM); prompts take 32/64-row tiles on 8 warps (1 CTA of 8 warps at 192-255
     registers: compute-bound, as FlashAttention-2). A 64-row tile on 4 warps spills (sm_80 at head_dim 64), so does
-    a 16 x 64 one at head_dim 128 (sm_90)."""
+    a 16 x 64 one at head_dim 128 (sm_90). Over an fp8 cache (kv_fp8: each K/V tile decoded in registers) the 64-row
+    tile at head_dim 128 spills on both (24 bytes): 32 rows there."""
     if block_m is None:
-        block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or d_pad > 128 else 64)
+        wide = d_pad > 128 or (kv_fp8 and d_pad == 128)
+        block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or wide else 64)
     if block_m <= 16:
         return block_m, 32 if d_pad <= 64 else 16, 4
     return block_m, 64 if d_pad <= 128 else 32, 8
@@ -121,7 +123,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
     if T == 0 or S == 0:
         return out
     d_pad = pad_dim(D)
-    block_m, tile_n, num_warps = prefill_tiles(max_seqlen_q, d_pad, block_m)
+    block_m, tile_n, num_warps = prefill_tiles(max_seqlen_q, d_pad, block_m, is_fp8(k_cache))
     block_n = block_n or tile_n
     grid = (triton.cdiv(max_seqlen_q, block_m), S, H)
     _prefill_kernel[grid](
