@@ -3,9 +3,10 @@
 A cache of this format is a torch.uint8 tensor of the usual layout (kernels/kv_layout.py) holding e4m3fn bit patterns
 (sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f / 0xff NaN, no infinities, largest finite 448). Bytes rather
 than torch.float8_e4m3fn because Triton converts to and from float8e4nv only on sm_89+; the kernels here encode and
-decode with integer operations, so the same cache runs on sm_80. Each layer has a per-tensor scale for K and one for
-V (models/kv_scales.py: the checkpoint's, else 1.0): a stored code is e4m3(x * (1 / scale)), rounded to nearest even,
-saturated to +-448, NaN kept as NaN; a read value is decode(code) * scale, then the activations' dtype.
+decode with bit operations (and a float16 convert), so the same cache runs on sm_80. Each layer has a per-tensor
+scale for K and one for V (models/kv_scales.py: the checkpoint's, else 1.0): a stored code is e4m3(x * (1 / scale)),
+rounded to nearest even, saturated to +-448, NaN kept as NaN; a read value is decode(code) * scale, then the
+activations' dtype.
 
 encode_ref / decode_ref are the references (torch's float8_e4m3fn conversion, which rounds to nearest even and
 saturates); e4m3_encode / e4m3_decode are the Triton functions the KV store and attention kernels inline, tested
