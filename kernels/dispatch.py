@@ -1,7 +1,11 @@
 """Each op's implementation: Triton, loom's C++ CPU kernels or the PyTorch reference, as kernels/policy.py decides for
 the call's tensors (for an engine's tensors, the engine's decision); a C++ kernel only for tensors its module's
 `takes_*` accepts, the reference otherwise. What an engine sets up around the ops (weights packed for the C++ GEMM,
-the C++ layer pass: engine/worker/cpu.py) follows the same decision."""
+the C++ layer pass: engine/worker/cpu.py) follows the same decision.
+
+k_scale / v_scale are an fp8 KV cache's per-tensor scales (kernels/kv_fp8.py; 1.0 and unused for a cache in the
+activations' dtype). The C++ kernels take float32 / bfloat16 caches only, so an fp8 cache runs the references on CPU
+(their takes_* refuse it)."""
 from __future__ import annotations
 
 import torch
@@ -39,53 +43,56 @@ def use_triton(t: torch.Tensor) -> bool:
     return for_tensor(t).ops == TRITON
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     ops = for_tensor(k).ops
     if ops == TRITON:
-        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if ops == CPU and cpu_paged_attention.takes_store_kv(k, v, k_cache, v_cache, slot_mapping):
         return store_kv_cpu(k, v, k_cache, v_cache, slot_mapping)
-    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _attention(q, k_cache, v_cache, out, sliding_window, softcap, triton, cpu, ref):
+def _attention(q, k_cache, v_cache, out, sliding_window, softcap, k_scale, v_scale, triton, cpu, ref):
+    """The implementation, and the keyword arguments it takes beyond the common ones (the C++ kernels: no scales)."""
     ops = for_tensor(q).ops
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if ops == TRITON:
-        return triton
+        return triton, scales
     if ops == CPU and cpu_paged_attention.takes_attention(q, k_cache, v_cache, out, sliding_window, softcap):
-        return cpu
-    return ref
+        return cpu, {}
+    return ref, scales
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, sliding_window=None,
-                           softcap=None):
-    fn = _attention(q, k_cache, v_cache, out, sliding_window, softcap, paged_decode_attention_triton,
-                    paged_decode_attention_cpu, paged_decode_attention_ref)
+                           softcap=None, k_scale=1.0, v_scale=1.0):
+    fn, kw = _attention(q, k_cache, v_cache, out, sliding_window, softcap, k_scale, v_scale,
+                        paged_decode_attention_triton, paged_decode_attention_cpu, paged_decode_attention_ref)
     return fn(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, sliding_window=sliding_window,
-              softcap=softcap)
+              softcap=softcap, **kw)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale,
-                            out=None, sliding_window=None, softcap=None):
-    fn = _attention(q, k_cache, v_cache, out, sliding_window, softcap, paged_prefill_attention_triton,
-                    paged_prefill_attention_cpu, paged_prefill_attention_ref)
+                            out=None, sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0):
+    fn, kw = _attention(q, k_cache, v_cache, out, sliding_window, softcap, k_scale, v_scale,
+                        paged_prefill_attention_triton, paged_prefill_attention_cpu, paged_prefill_attention_ref)
     return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, out=out,
-              sliding_window=sliding_window, softcap=softcap)
+              sliding_window=sliding_window, softcap=softcap, **kw)
 
 
 def rope_store_decode_attention(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                                seq_lens, scale, out=None, sliding_window=None, softcap=None, split_counters=None):
+                                seq_lens, scale, out=None, sliding_window=None, softcap=None, k_scale=1.0,
+                                v_scale=1.0, split_counters=None):
     """Decode rows (one token per sequence): rotary_store_kv, then paged_decode_attention; on Triton one launch
     (flash-decoding included: it merges its partitions in that launch, with split_counters' tickets), which leaves q
-    and k as they were (only the caches and out are written)."""
+    and k as they were (only the caches and out are written). k_scale, v_scale: an fp8 cache's scales."""
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
                                              sliding_window=sliding_window, softcap=softcap,
                                              rope_store=(positions, k, v, cos_sin_cache, slot_mapping),
-                                             split_counters=split_counters)
-    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+                                             k_scale=k_scale, v_scale=v_scale, split_counters=split_counters)
+    rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                  sliding_window=sliding_window, softcap=softcap)
+                                  sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -111,12 +118,13 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
         rotary_embedding_ref(positions, q, k, cos_sin_cache)
 
 
-def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """rotary_embedding(positions, q, k, cos_sin_cache), then store_kv(k, v, ...): one Triton launch."""
     if use_triton(q):
-        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        return rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale,
+                                      v_scale)
     rotary_embedding(positions, q, k, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _act_and_mul(x, triton, cpu, ref):

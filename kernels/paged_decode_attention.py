@@ -19,7 +19,9 @@ The reference gathers K/V through the block table and runs SDPA with a length ma
 
 Options (docs/CONTRACTS.md): `sliding_window` W - the query at position p = seq_len - 1 sees keys at positions
 > p - W (transformers' convention), and blocks wholly before that are never read; `softcap` c - scores become
-c * tanh(scale * q.k / c) before the softmax (Gemma 2).
+c * tanh(scale * q.k / c) before the softmax (Gemma 2). An fp8 cache (kernels/kv_fp8.py: e4m3 codes) is read as
+decode(code) * k_scale (v_scale) in q's dtype, and the decode rows' K/V are stored into it as codes of k / k_scale
+(v / v_scale); the reference dequantises the gathered cache the same way.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_fp8 import from_cache, inv_scale, is_fp8, kv_decode, kv_encode
 from loom.kernels.kv_layout import block_size_of, cache_strides, gather_blocks, kv_heads_of
 from loom.kernels.rotary import _cos_sin, _rope_rows, rotary_store_kv_ref
 
@@ -56,11 +59,11 @@ def _decode_kernel(
     stride_ob, stride_oh,  # out [B,H,D]
     stride_pb, stride_ph, stride_ps,  # SPLIT: partial out [B,H,NS,D]
     stride_mb, stride_mh,  # SPLIT: partial max / sum [B,H,NS]; ticket counters [B,KVH] at cnt_ptr
-    scale_log2e, min_part, window, cap_in, cap_out,
+    scale_log2e, min_part, window, cap_in, cap_out, k_scale, v_scale, k_inv, v_inv,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
-    ROPE_STORE: tl.constexpr, HALF: tl.constexpr,
+    ROPE_STORE: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,9 +96,10 @@ def _decode_kernel(
             k, kmask = _rope_rows(k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh, stride_kh, 1, cos, sin, partner,
                                   dd, D, 1)
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co + kvh * stride_ch + dd
-            tl.store(kc_ptr + dst, k.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=kmask)
+            k = kv_encode(k.to(k_ptr.dtype.element_ty), k_inv, KV_FP8, kc_ptr.dtype.element_ty)
+            tl.store(kc_ptr + dst, k, mask=kmask)
             v = tl.load(v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh + dd, mask=kmask)
-            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(vc_ptr + dst, kv_encode(v, v_inv, KV_FP8, vc_ptr.dtype.element_ty), mask=kmask)
             tl.debug_barrier()  # the stores above seen by this program's threads' loads below
     else:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gd_mask,
@@ -122,7 +126,8 @@ def _decode_kernel(
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
             off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        k = kv_decode(k, k_scale, KV_FP8, q_ptr.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if HAS_SOFTCAP:  # c * tanh(scale * qk / c) in the log2 domain, with tanh(x) = 2 * sigmoid(2x) - 1
             qk = cap_out * (2.0 * tl.sigmoid(qk * cap_in) - 1.0)
@@ -133,7 +138,8 @@ def _decode_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = kv_decode(v, v_scale, KV_FP8, q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -242,7 +248,7 @@ def pad_dim(d: int) -> int:
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
                                   sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None,
-                                  split_counters=None):
+                                  split_counters=None, k_scale=1.0, v_scale=1.0):
     """num_splits: None = automatic (from the batch size and the block table's width, never from the contexts:
     a CUDA graph replays the same choice for every step), 1 = single pass, >1 = flash-decoding with up to that
     many partitions per sequence. rope_store: (positions, k, v, cos_sin_cache, slot_mapping) of this step's tokens
@@ -282,7 +288,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         assert k_cache.stride() == v_cache.stride() and cos_sin.shape[-1] <= D and cos_sin.shape[-1] % 2 == 0
         step, half = (positions, k, v, slots, cos_sin), cos_sin.shape[-1] // 2
         step_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0))
-    common.update(ROPE_STORE=rope_store is not None, HALF=half)
+    common.update(ROPE_STORE=rope_store is not None, HALF=half, KV_FP8=is_fp8(k_cache))
+    kv_scales = (k_scale, v_scale, inv_scale(k_scale), inv_scale(v_scale))
     scale_log2e = scale * _LOG2E
     window, cap_in, cap_out = softcap_args(scale, sliding_window, softcap)
     launch = (q, k_cache, v_cache, block_tables, seq_lens, out)
@@ -291,7 +298,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
             *launch, out, out, out, seq_lens, *step,
             q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0, 0, 0,
-            scale_log2e, min_part, window, cap_in, cap_out, SPLIT=False, **common)
+            scale_log2e, min_part, window, cap_in, cap_out, *kv_scales, SPLIT=False, **common)
         return out
     if split_counters is None:
         split_counters = make_split_counters(B, KVH, q.device)
@@ -305,7 +312,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         *launch, po, m, l, split_counters, *step,
         q.stride(0), q.stride(1), *step_strides, *cache_strides(k_cache),
         block_tables.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), m.stride(0),
-        m.stride(1), scale_log2e, min_part, window, cap_in, cap_out, SPLIT=True, **common)
+        m.stride(1), scale_log2e, min_part, window, cap_in, cap_out, *kv_scales, SPLIT=True, **common)
     return out
 
 
@@ -358,11 +365,11 @@ def sdpa_gqa(q, k, v, mask, scale, softcap=None):
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
                                sliding_window=None, softcap=None, num_splits=None, block_n=None, rope_store=None,
-                               split_counters=None):
+                               split_counters=None, k_scale=1.0, v_scale=1.0):
     if rope_store is not None:  # q and k rotated in copies, as the Triton kernel leaves them
         positions, k, v, cos_sin, slots = rope_store
         q = q.clone()
-        rotary_store_kv_ref(positions, q, k.clone(), v, cos_sin, k_cache, v_cache, slots)
+        rotary_store_kv_ref(positions, q, k.clone(), v, cos_sin, k_cache, v_cache, slots, k_scale, v_scale)
     B, H, D = q.shape
     res = torch.zeros((B, H, D), dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
@@ -376,6 +383,7 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scal
     # With one query token, the G query heads sharing a KV head act as G query rows of one head:
     # plain SDPA over [B, KVH, G, D] needs no GQA expansion (measured ~15% faster than enable_gqa on CPU).
     KVH = k.shape[1]
-    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k.to(q.dtype), v.to(q.dtype), valid[:, None, None, :], scale, softcap)
+    k, v = from_cache(k, k_scale, q.dtype), from_cache(v, v_scale, q.dtype)
+    o = sdpa_gqa(q.view(B, KVH, H // KVH, D), k, v, valid[:, None, None, :], scale, softcap)
     res.copy_(o.reshape(B, H, D).masked_fill(empty[:, None, None], 0))
     return res

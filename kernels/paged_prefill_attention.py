@@ -3,7 +3,8 @@
 Query i of sequence s sits at absolute position seq_lens[s] - q_len_s + i and attends to every cached
 key at a position <= its own (and > its own - sliding_window with a window; softcap as in the decode
 kernel, docs/CONTRACTS.md); the new tokens' K/V are already in the cache. One program per (query tile,
-sequence, q head); it walks the block table from the tile's first visible key to its last query position.
+sequence, q head); it walks the block table from the tile's first visible key to its last query position. An fp8 cache
+is read as the decode kernel reads it (kernels/kv_fp8.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_fp8 import from_cache, is_fp8, kv_decode
 from loom.kernels.kv_layout import block_size_of, cache_strides, kv_heads_of
 from loom.kernels.paged_decode_attention import (
     _LOG2E,
@@ -31,10 +33,10 @@ def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, sl_ptr, bt_ptr, o_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_btb,
-    scale_log2e, window, cap_in, cap_out,
+    scale_log2e, window, cap_in, cap_out, k_scale, v_scale,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     mb = tl.program_id(0)
     s = tl.program_id(1)
@@ -69,7 +71,8 @@ def _prefill_kernel(
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
         off = blk * stride_cb + (pos % BLOCK_SIZE) * stride_co + kvh * stride_ch
         kv_mask = pmask[:, None] & (d < D)[None, :]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        k = kv_decode(k, k_scale, KV_FP8, q_ptr.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         if HAS_SOFTCAP:  # c * tanh(scale * qk / c) in the log2 domain, with tanh(x) = 2 * sigmoid(2x) - 1
             qk = cap_out * (2.0 * tl.sigmoid(qk * cap_in) - 1.0)
@@ -83,7 +86,8 @@ def _prefill_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = kv_decode(v, v_scale, KV_FP8, q_ptr.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -92,21 +96,24 @@ def _prefill_kernel(
              mask=qd_mask)
 
 
-def prefill_tiles(max_seqlen_q, d_pad, block_m=None):
+def prefill_tiles(max_seqlen_q, d_pad, block_m=None, kv_fp8=False):
     """(BLOCK_M, BLOCK_N, num_warps), chosen with scripts/kernel_resources.py for bf16/fp16 on sm_80 and sm_90 (no
     spills; >= 8 warps resident per SM). Short queries (decode-like rows) waste less of a 16-row tile, run as 4 warps
     with narrow key tiles (2-4 CTAs per SM); prompts take 32/64-row tiles on 8 warps (1 CTA of 8 warps at 192-255
     registers: compute-bound, as FlashAttention-2). A 64-row tile on 4 warps spills (sm_80 at head_dim 64), so does
-    a 16 x 64 one at head_dim 128 (sm_90)."""
+    a 16 x 64 one at head_dim 128 (sm_90). Over an fp8 cache (kv_fp8: each K/V tile decoded in registers) the 64-row
+    tile at head_dim 128 spills on both (24 bytes): 32 rows there."""
     if block_m is None:
-        block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or d_pad > 128 else 64)
+        wide = d_pad > 128 or (kv_fp8 and d_pad == 128)
+        block_m = 16 if max_seqlen_q <= 16 else (32 if max_seqlen_q <= 32 or wide else 64)
     if block_m <= 16:
         return block_m, 32 if d_pad <= 64 else 16, 4
     return block_m, 64 if d_pad <= 128 else 32, 8
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                   scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None):
+                                   scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None,
+                                   k_scale=1.0, v_scale=1.0):
     T, H, D = q.shape
     block_size, KVH = block_size_of(k_cache), kv_heads_of(k_cache)
     assert H % KVH == 0 and q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -116,22 +123,23 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, 
     if T == 0 or S == 0:
         return out
     d_pad = pad_dim(D)
-    block_m, tile_n, num_warps = prefill_tiles(max_seqlen_q, d_pad, block_m)
+    block_m, tile_n, num_warps = prefill_tiles(max_seqlen_q, d_pad, block_m, is_fp8(k_cache))
     block_n = block_n or tile_n
     grid = (triton.cdiv(max_seqlen_q, block_m), S, H)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *cache_strides(k_cache), block_tables.stride(0),
-        scale * _LOG2E, *softcap_args(scale, sliding_window, softcap),
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        scale * _LOG2E, *softcap_args(scale, sliding_window, softcap), k_scale, v_scale,
+        KV_FP8=is_fp8(k_cache), HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         GROUP=H // KVH, D=D, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PREC=_dot_precision(q.dtype), num_warps=num_warps,
     )
     return out
 
 
-def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables, scale, out, window, softcap):
+def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables, scale, out, window, softcap,
+                    k_scale, v_scale):
     """One SDPA call over sequences padded to their longest query, with a causal-by-position mask."""
     n = q_lens.shape[0]
     dev = q.device
@@ -152,12 +160,14 @@ def _padded_prefill(q, k_cache, v_cache, starts, q_lens, seq_lens, block_tables,
     if window is not None:
         # padded rows (qpos past the end) must keep one visible key: they see at least their sequence's last key
         mask &= (kpos[:, None, :] > qpos[:, :, None] - window) | (kpos[:, None, :] == (seq_lens - 1)[:, None, None])
-    o = sdpa_gqa(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), mask[:, None], scale, softcap)  # [n, H, max_q, D]
+    k, v = from_cache(k, k_scale, q.dtype), from_cache(v, v_scale, q.dtype)
+    o = sdpa_gqa(qp.transpose(1, 2), k, v, mask[:, None], scale, softcap)  # [n, H, max_q, D]
     out[tok] = o.transpose(1, 2)[seq_of, offs]
 
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q,
-                                scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None):
+                                scale, out=None, sliding_window=None, softcap=None, block_m=None, block_n=None,
+                                k_scale=1.0, v_scale=1.0):
     T, H, D = q.shape
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
@@ -172,9 +182,9 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, blo
         idx = dec.nonzero().squeeze(1)
         out[starts[idx]] = paged_decode_attention_ref(q[starts[idx]], k_cache, v_cache, block_tables[idx],
                                                       seq_lens[idx], scale, sliding_window=sliding_window,
-                                                      softcap=softcap)
+                                                      softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     pre = (q_lens > 1).nonzero().squeeze(1)
     if pre.numel():
         _padded_prefill(q, k_cache, v_cache, starts[pre], q_lens[pre], seq_lens[pre], block_tables[pre], scale, out,
-                        sliding_window, softcap)
+                        sliding_window, softcap, k_scale, v_scale)
     return out

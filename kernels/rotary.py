@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.kv_fp8 import inv_scale, is_fp8, kv_encode
 from loom.kernels.kv_layout import block_size_of, cache_strides, kv_heads_of
 from loom.kernels.kv_store import store_kv_ref
 
@@ -45,9 +46,9 @@ def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cb, stride_co, stride_ch,  # shared by k_cache and v_cache (same shape, both contiguous in D)
-    block_size, H, KVH,
+    block_size, H, KVH, k_inv, v_inv,
     D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-    STORE_KV: tl.constexpr,
+    STORE_KV: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -65,13 +66,13 @@ def _rotary_kernel(
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # -1: padding / tokens whose KV must not be written
             dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_co + h * stride_ch + d
-            tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(kc_ptr + dst, kv_encode(k, k_inv, KV_FP8, kc_ptr.dtype.element_ty), mask=kmask)
             v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=kmask)
-            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(vc_ptr + dst, kv_encode(v, v_inv, KV_FP8, vc_ptr.dtype.element_ty), mask=kmask)
 
 
-def _launch(positions, q, k, cos_sin_cache, kv=None):
-    """kv: (v, k_cache, v_cache, slot_mapping) to store this step's K/V as well."""
+def _launch(positions, q, k, cos_sin_cache, kv=None, k_scale=1.0, v_scale=1.0):
+    """kv: (v, k_cache, v_cache, slot_mapping) to store this step's K/V as well (k_scale / v_scale: an fp8 cache's)."""
     T, H, D = q.shape
     KVH = k.shape[1]
     if T == 0:
@@ -89,9 +90,9 @@ def _launch(positions, q, k, cos_sin_cache, kv=None):
     _rotary_kernel[(T,)](
         positions, q, k, v, kc, vc, slots, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        *strides, block_size, H, KVH,
+        *strides, block_size, H, KVH, inv_scale(k_scale), inv_scale(v_scale),
         D=D, D_PAD=triton.next_power_of_2(D), HALF=rotary_dim // 2, HQ_PAD=triton.next_power_of_2(H),
-        HK_PAD=triton.next_power_of_2(KVH), STORE_KV=kv is not None,
+        HK_PAD=triton.next_power_of_2(KVH), STORE_KV=kv is not None, KV_FP8=kv is not None and is_fp8(kc),
     )
 
 
@@ -99,9 +100,10 @@ def rotary_embedding_triton(positions, q, k, cos_sin_cache):
     _launch(positions, q, k, cos_sin_cache)
 
 
-def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                           v_scale=1.0):
     """rotary_embedding, then k (rotated) and v into the caches at slot_mapping (-1 = skip): one launch."""
-    _launch(positions, q, k, cos_sin_cache, (v, k_cache, v_cache, slot_mapping))
+    _launch(positions, q, k, cos_sin_cache, (v, k_cache, v_cache, slot_mapping), k_scale, v_scale)
 
 
 def _rotate_ref(x, cos, sin):
@@ -119,6 +121,7 @@ def rotary_embedding_ref(positions, q, k, cos_sin_cache):
     _rotate_ref(k, cos, sin)
 
 
-def rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping):
+def rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=1.0,
+                        v_scale=1.0):
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

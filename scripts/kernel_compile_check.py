@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loom.kernels import activation, fp8_gemm, kv_store, lora, moe, norm, quant_gemm, rotary  # noqa: E402
+from loom.kernels.kv_fp8 import KV_FP8_STORAGE  # noqa: E402
 from loom.kernels.kv_layout import kv_cache_shape  # noqa: E402
 
 # loom.kernels re-exports functions of the same names as these modules: import the modules by path
@@ -121,23 +122,36 @@ def _small(dt):
                                       kc, kc.clone(), pos)
 
 
-def _attention(dt, heads, decode=True, prefill=True):
+def _attention(dt, heads, decode=True, prefill=True, cache_dt=None, **scales):
+    """cache_dt: the caches' dtype (the activations' by default; KV_FP8_STORAGE: kv_cache_dtype fp8, with scales)."""
     for hd, grp, bs in heads:
-        kc = torch.zeros(kv_cache_shape(8, bs, 2, hd), dtype=dt)
+        kc = torch.zeros(kv_cache_shape(8, bs, 2, hd), dtype=cache_dt or dt)
         bt = torch.zeros(2, 16, dtype=torch.int32)  # wide enough for num_splits=4 at every block size
         sl = torch.ones(2, dtype=torch.int32)
         q = torch.zeros(2, 2 * grp, hd, dtype=dt)
         if decode:
             kv, pos = torch.zeros(2, 2, hd, dtype=dt), torch.zeros(2, dtype=torch.int64)
             for ns in (1, 4):  # single pass; flash-decoding (its merge in the same kernel)
-                pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns)
+                pda.paged_decode_attention_triton(q, kc, kc, bt, sl, 0.1, num_splits=ns, **scales)
                 # what the engine's decode rows run: rope and the K/V store inside
                 pda.paged_decode_attention_triton(q, kc, kc.clone(), bt, sl, 0.1, num_splits=ns,
-                                                  rope_store=(pos, kv, kv, torch.zeros(16, hd), pos))
+                                                  rope_store=(pos, kv, kv, torch.zeros(16, hd), pos), **scales)
         if prefill:
             cu = torch.tensor([0, 1, 2], dtype=torch.int32)
             for mq in (1, 32, 100):  # decode-like rows (block_m 16), short chunks, prompts (the largest block_m)
-                ppa.paged_prefill_attention_triton(q, kc, kc, cu, sl, bt, mq, 0.1)
+                ppa.paged_prefill_attention_triton(q, kc, kc, cu, sl, bt, mq, 0.1, **scales)
+
+
+def _fp8_kv(dt):
+    """kv_cache_dtype fp8: e4m3 codes in uint8 caches, encoded / decoded with integer operations (kernels/kv_fp8.py),
+    so every target compiles them: the stores (plain, rope-fused) and decode / prefill attention at serving heads."""
+    s = dict(k_scale=0.5, v_scale=0.25)
+    kc = torch.zeros(kv_cache_shape(8, 16, KVH, 128), dtype=KV_FP8_STORAGE)
+    kv, pos = torch.zeros(T, KVH, 128, dtype=dt), torch.zeros(T, dtype=torch.int64)
+    kv_store.store_kv_triton(kv, kv, kc, kc.clone(), pos, **s)
+    rotary.rotary_store_kv_triton(pos, torch.zeros(T, 4 * KVH, 128, dtype=dt), kv, kv, torch.zeros(16, 128), kc,
+                                  kc.clone(), pos, **s)
+    _attention(dt, SERVING_HEADS, cache_dt=KV_FP8_STORAGE, **s)
 
 
 def _moe(dt):
@@ -188,6 +202,7 @@ GROUPS = {
     "lora": _lora,
     "quant_a16": _quant_a16,  # quantized GEMMs, weight-only (W4A16 / W8A16 / FP8 A16)
     "quant_w8a8": _quant_w8a8,  # FP8 W8A8: dynamic activation quantisation + fp8 dot (sm_90 only here)
+    "fp8_kv": _fp8_kv,  # kv_cache_dtype fp8: KV stores and paged attention over e4m3 codes
 }
 SERVING = ("decode", "prefill", "moe")  # the kernels whose registers and spills matter for throughput
 

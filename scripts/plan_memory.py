@@ -5,6 +5,7 @@ device, the quantized layers in their format's layout, the KV sizing the model r
 
     python scripts/plan_memory.py MODEL_DIR --gpu-memory-gib 80 --max-model-len 32768 --kv-tokens 65536
     python scripts/plan_memory.py MODEL_DIR --quantization fp8 --tensor-parallel-size 2 --gpu-memory-gib 80
+    python scripts/plan_memory.py MODEL_DIR --kv-cache-dtype fp8 --kv-tokens 131072
 
 --quantization: auto (the checkpoint's quantization_config, as the engine loads it), none (as if unquantized), or a
 what-if for an unquantized config: fp8 (compressed-tensors FP8, per-channel), w8a16 (int8 per channel), w4a16 (int4
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="a fixed KV budget (as the engine's)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8 / fp8_e4m3 (1 byte)")
     args = ap.parse_args(argv)
 
     from loom.engine.config import EngineConfig
@@ -65,12 +67,13 @@ def main(argv=None) -> int:
                           gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           block_size=args.block_size, lora_memory_bytes=args.lora_memory_bytes,
-                          cuda_graphs=not args.no_cuda_graphs, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                          cuda_graphs=not args.no_cuda_graphs, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          kv_cache_dtype=args.kv_cache_dtype)
     quant = {"auto": ..., "none": None}.get(args.quantization, WHAT_IF.get(args.quantization))
     p = plan(args.model, config, int(args.gpu_memory_gib * GIB), args.kv_tokens, quantization_config=quant)
     per = "per GPU" if args.device == "cuda" else "on CPU"
     print(f"model: {args.model}  dtype {str(p.dtype).removeprefix('torch.')}  quantization: {p.quantization}  "
-          f"tensor_parallel_size {p.tensor_parallel_size}")
+          f"tensor_parallel_size {p.tensor_parallel_size}  kv_cache_dtype {args.kv_cache_dtype}")
     print(f"weights {per}:        {p.weight_bytes / GIB:9.2f} GiB")
     print(f"KV bytes per token {per}: {p.kv_bytes_per_token:,} B ({p.kv_bytes_per_token * p.block_size:,} B a "
           f"block of {p.block_size})")

@@ -9,6 +9,7 @@ import torch
 
 from loom.engine.spec_decode.config import SpeculativeConfig
 from loom.errors import ConfigError
+from loom.kernels.kv_fp8 import KV_CACHE_DTYPES, KV_FP8_STORAGE
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -21,6 +22,9 @@ class EngineConfig:
     block_size: int = 16
     # KV memory: a byte budget on CPU; on CUDA a fraction of total GPU memory (after profiling) unless bytes given.
     kv_cache_memory_bytes: int = 0  # 0 = derive (CPU: 1 GiB)
+    # auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3, vLLM's names): e4m3 codes, one byte an element (twice
+    # the tokens of a 16-bit cache in the same bytes), with each layer's K and V scales from the checkpoint (else 1.0)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.90
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -102,6 +106,8 @@ class EngineConfig:
               "block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes >= 0,
               "kv_cache_memory_bytes", "must be an integer >= 0 (0 = automatic)")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+              f"must be one of {', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3), got {self.kv_cache_dtype!r}")
         check(0.05 <= self.gpu_memory_utilization <= 0.99,
               "gpu_memory_utilization", f"must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         check(isinstance(self.max_num_seqs, int) and 1 <= self.max_num_seqs <= 4096,
@@ -183,6 +189,10 @@ class EngineConfig:
                 ", ".join(units) or "none")
             return torch.bfloat16 if bf16 else torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache tensor's dtype: the model's (auto), or bytes holding e4m3 codes (kernels/kv_fp8.py)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else KV_FP8_STORAGE
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:
         """On CUDA only. A CPU forward returns when its work is done, so no device time is left for the next step's

@@ -14,6 +14,7 @@ from loom.errors import ConfigError
 from loom.layers.linear import ALL
 from loom.layers.rotary import RotaryEmbedding
 from loom.models.gemma import GemmaForCausalLM
+from loom.models.kv_scales import is_kv_scale
 from loom.models.llama import LlamaForCausalLM
 from loom.models.quant import QuantizedWeight, checkpoint_tensors, dequantize, quantized_modules
 from loom.models.quant_layers import (
@@ -133,7 +134,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # linear module -> its slices' (first row, weight)
     experts: dict[str, dict[tuple[int, str], QuantizedWeight]] = {}  # experts module -> (expert, gate/up/down) -> w
     for path, name, tensor in tensors:
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or is_kv_scale(name):  # kv scales: models/kv_scales.py, for an fp8 cache
             continue
         target, pieces = _place(model, params, name)
         if target is None:

@@ -85,7 +85,7 @@ MODEL_JSON_KEYS: dict[str, tuple[str | None, str]] = {
     "tensor_parallel_size": ("tensor_parallel_size", ""),
     "pipeline_parallel_size": (None, "a model instance runs on one device; more instances: instance_group"),
     "quantization": (None, "loom serves unquantized checkpoints"),
-    "kv_cache_dtype": (None, "the KV cache has the model's dtype"),
+    "kv_cache_dtype": ("kv_cache_dtype", "auto, fp8 or fp8_e4m3 (fp8_e5m2 is not served)"),
     "tokenizer": (None, "the tokenizer is the model folder's"),
     "trust_remote_code": (None, "loom runs no code from a checkpoint"),
 }

@@ -13,6 +13,7 @@ import math
 import torch
 
 from loom.kernels import activation, kv_store, lora, norm, rotary
+from loom.kernels.kv_fp8 import KV_FP8_STORAGE, encode_ref
 from loom.kernels.kv_layout import block_size_of, kv_cache_shape, kv_heads_of, read_slots, write_slots
 
 # the attention modules share their names with the dispatch functions exported by kernels/__init__
@@ -215,6 +216,39 @@ def check_prefill(dtype, device, q_and_seq_lens, heads, kvh, d, block_size, bloc
     kc, vc, bt = compact_cache(kc, vc, bt, sl)
     ref = paged_prefill_attention_ref(q.float(), kc.float(), vc.float(), cu, sl, bt, max_q, scale, **opts)
     return assert_close(out.float(), ref, dtype, "paged_prefill_attention")
+
+
+def check_fp8_kv(dtype, device, seq_lens, q_lens, heads, kvh, d, block_size, k_scale=0.25, v_scale=0.5):
+    """kv_cache_dtype fp8: e4m3 codes in a uint8 cache. The decode kernel's rope + store and the plain store write the
+    reference's codes; decode and prefill attention over the codes within tolerance of the references in float32
+    (power-of-two scales: the dequantised values are exact in every dtype, so both read the same K/V)."""
+    kc, vc, bt, sl = make_paged_cache(seq_lens, block_size, kvh, d, torch.float32, device)
+    kc, vc = encode_ref(kc * 2, k_scale), encode_ref(vc * 2, v_scale)  # NaN slots stay NaN codes
+    s = dict(k_scale=k_scale, v_scale=v_scale)
+    B = len(seq_lens)
+    q, k, v = (rnd(B, n, d, dtype=dtype, device=device) for n in (heads, kvh, kvh))
+    pos = sl.long() - 1
+    slots = bt.long()[torch.arange(B, device=device), pos // block_size] * block_size + pos % block_size
+    cs = cos_sin_cache(max(seq_lens) + 1, d, device)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = poison(B, heads, d, dtype=dtype, device=device)
+    paged_decode_attention_triton(q, kc, vc, bt, sl, d ** -0.5, out=out, rope_store=(pos, k, v, cs, slots), **s)
+    q2 = q.clone()  # rope and store by the reference in dtype (rounded as the kernel rounds), attention in float32
+    rotary.rotary_store_kv_ref(pos, q2, k.clone(), v, cs, kc2, vc2, slots, **s)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2), "fp8 rope_store codes differ from the reference's"
+    ref = paged_decode_attention_ref(q2.float(), kc2, vc2, bt, sl, d ** -0.5, **s)
+    assert_close(out.float(), ref, dtype, "fp8 paged_decode_attention rope_store")
+    kc2, vc2 = kc.clone(), vc.clone()
+    kv_store.store_kv_triton(k, v, kc, vc, slots, **s)
+    kv_store.store_kv_ref(k, v, kc2, vc2, slots, **s)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2), "fp8 store_kv codes differ from the reference's"
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    qp = rnd(sum(q_lens), heads, d, dtype=dtype, device=device)
+    out = poison(*qp.shape, dtype=dtype, device=device)
+    paged_prefill_attention_triton(qp, kc, vc, cu, sl, bt, max(q_lens), d ** -0.5, out=out, **s)
+    ref = paged_prefill_attention_ref(qp.float(), kc, vc, cu, sl, bt, max(q_lens), d ** -0.5, **s)
+    assert KV_FP8_STORAGE == kc.dtype
+    return assert_close(out.float(), ref, dtype, "fp8 paged_prefill_attention")
 
 
 def check_store_kv_top(dtype, device, T=10, kvh=2, d=64, block_size=16, top_of=1 << 16):
@@ -459,6 +493,7 @@ CASES = {
     "top_blocks_prefill": (check_prefill, [dict(q_and_seq_lens=[(7, 7), (9, 40)], heads=8, kvh=2, d=64,
                                                 block_size=16, top_of=1 << 16)]),
     "top_slots_store_kv": (check_store_kv_top, [dict()]),
+    "fp8_kv": (check_fp8_kv, [dict(seq_lens=[3, 20, 45], q_lens=[3, 4, 1], heads=9, kvh=3, d=64, block_size=16)]),
     "norm": (check_norm, [dict(), dict(residual=False, n=128)]),
     "rotary": (check_rotary, [dict(), dict(heads=4, kvh=4, d=128)]),
     "rotary_store_kv": (check_rotary_store_kv, [dict(), dict(heads=8, kvh=2, d=96, rot=48)]),

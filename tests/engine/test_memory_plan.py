@@ -69,15 +69,32 @@ def _assert_kv_agrees(runner, p) -> None:
         runner.kv_cache.element_size()
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("qwen3_moe", "bfloat16")])
-def test_plan_is_what_the_engine_allocates(tmp_path, family, dtype):
+@pytest.mark.parametrize("family,dtype,kv_dtype", [("llama", "float32", "auto"), ("qwen3_moe", "bfloat16", "auto"),
+                                                    ("llama", "float32", "fp8"), ("llama", "bfloat16", "fp8_e4m3")])
+def test_plan_is_what_the_engine_allocates(tmp_path, family, dtype, kv_dtype):
     _, path = make_hf_model(family, tmp_path)
-    llm, p = _engine_and_plan(path, dtype)
+    llm, p = _engine_and_plan(path, dtype, kv_cache_dtype=kv_dtype)
     runner = llm.engine.runner
     assert p.dtype == runner.dtype == getattr(torch, dtype)
     assert p.weight_bytes == runner.weight_bytes == checkpoint_bytes(path, runner.dtype)
+    assert runner.kv_cache.element_size() == (1 if kv_dtype != "auto" else runner.dtype.itemsize)
     _assert_kv_agrees(runner, p)
     llm.close()
+
+
+def test_fp8_kv_cache_holds_more_tokens(tmp_path):
+    """One byte an element: for the same budget 4x the tokens of a float32 cache, 2x those of a bfloat16 one (whole
+    blocks: within one block of it)."""
+    _, path = make_hf_model("llama", tmp_path)
+    tokens = {}
+    for dtype in ("float32", "bfloat16"):
+        for kv in ("auto", "fp8"):
+            tokens[dtype, kv] = plan(path, EngineConfig(model=path, dtype=dtype, device="cpu", max_model_len=MAX_LEN,
+                                                        kv_cache_memory_bytes=KV_BYTES, kv_cache_dtype=kv)).kv_tokens
+    block = 16
+    assert abs(tokens["float32", "fp8"] - 4 * tokens["float32", "auto"]) < 4 * block
+    assert abs(tokens["bfloat16", "fp8"] - 2 * tokens["bfloat16", "auto"]) < 2 * block
+    assert tokens["float32", "fp8"] == tokens["bfloat16", "fp8"]
 
 
 def test_plan_of_a_quantized_checkpoint_kept_quantized(tmp_path):
@@ -143,3 +160,10 @@ def test_plan_memory_command_from_config_json_alone(tmp_path, capsys):
     tp2 = plan(str(folder), EngineConfig(device="cuda", max_model_len=32768, tensor_parallel_size=2), 80 << 30)
     assert tp2.weight_bytes < bf16.weight_bytes / 2 + rope and tp2.kv_bytes_per_token == bf16.kv_bytes_per_token // 2
     assert plan_memory.main(args + ["--tensor-parallel-size", "2"]) == 0  # 2 x 80 GiB: about 43.5 GiB of weights each
+    # an fp8 KV cache: 64 KiB a token, half the bfloat16 cache's bytes
+    fp8 = plan(str(folder), EngineConfig(device="cuda", max_model_len=32768, kv_cache_dtype="fp8"), 80 << 30)
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2 and fp8.weight_bytes == bf16.weight_bytes
+    capsys.readouterr()
+    assert plan_memory.main(args + ["--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache_dtype fp8" in out and "per GPU: 32,768 B (" in out  # 4 of 8 KV heads a rank, 1 byte each

@@ -103,3 +103,14 @@ def test_list_parameters_keep_uris_and_resolve_paths(tmp_path):
                                   "adapter_roots": {"string_value": "adapters"}}, str(tmp_path))
     assert cfg.engine.adapter_sources == ["file:///srv/a", "memory://bucket/x"]
     assert cfg.engine.adapter_roots == [str(tmp_path / "adapters")]
+
+
+def test_kv_cache_dtype_parameter(tmp_path):
+    """config.pbtxt's kv_cache_dtype (vLLM's model.json key maps to it): fp8 / fp8_e4m3 / auto taken, the rest refused
+    naming the parameter and the value."""
+    assert MODEL_JSON_KEYS["kv_cache_dtype"][0] == "kv_cache_dtype"
+    for value in ("auto", "fp8", "fp8_e4m3"):
+        cfg = parse_model_parameters({"kv_cache_dtype": {"string_value": value}}, str(tmp_path))
+        assert cfg.engine.kv_cache_dtype == value
+    with pytest.raises(ConfigError, match="kv_cache_dtype.*'fp8_e5m2'"):
+        parse_model_parameters({"kv_cache_dtype": {"string_value": "fp8_e5m2"}}, str(tmp_path))

@@ -122,7 +122,8 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
         _rebuild_rope(model)
         attn = model.attention_layers()
         weights = max(weights, model_bytes(model))
-        per_token = max(per_token, kv_bytes_per_token(len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype))
+        per_token = max(per_token, kv_bytes_per_token(len(attn), attn[0].num_kv_heads, attn[0].head_dim,
+                                                      config.resolve_kv_cache_dtype(dtype)))
     reserve = 0
     if config.kv_cache_memory_bytes:
         budget = config.kv_cache_memory_bytes

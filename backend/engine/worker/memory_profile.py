@@ -47,7 +47,7 @@ def kv_cache_budget(runner) -> int:
     cfg = runner.config
     attn = runner.model.attention_layers()
     stand_in = torch.zeros((2,) + kv_cache_shape(1, runner.block_size, runner.num_kv_heads, runner.head_dim),
-                           dtype=runner.dtype, device=runner.device)
+                           dtype=runner.kv_dtype, device=runner.device)
     before = [(layer.k_cache, layer.v_cache) for layer in attn]
     for layer in attn:
         layer.k_cache, layer.v_cache = stand_in[0], stand_in[1]

@@ -35,7 +35,8 @@ from loom.kernels.kv_layout import kv_cache_shape
 from loom.kernels.paged_decode_attention import make_split_counters
 from loom.kernels.policy import decide
 from loom.layers.forward_context import AttentionMeta, ForwardContext, LoraBatchMeta, forward_context
-from loom.models.loader import checkpoint_dtype, load_hf_config, load_model
+from loom.models.kv_scales import read_kv_scales
+from loom.models.loader import checkpoint_dtype, load_hf_config, load_model, safetensors_files
 
 # async scheduling: (flat input positions, rows of the tokens tensor, the step in flight's sampled tokens on the
 # device): input ids that step is still sampling
@@ -97,6 +98,9 @@ class ModelRunner:
         self.warmup = None  # loom.engine.worker.warmup.WarmupReport once warm_up() ran
         self.num_blocks = 0
         self.kv_cache = None
+        self.kv_dtype = config.resolve_kv_cache_dtype(self.dtype)
+        self.kv_scales = None if config.kv_cache_dtype == "auto" else \
+            read_kv_scales(safetensors_files(model_dir), self.num_layers)
         if not defer_kv:
             self.allocate_kv(self._num_kv_blocks())
         if self.device.type == "cpu":  # tensor-parallel ranks share the cores unless told
@@ -154,13 +158,15 @@ class ModelRunner:
         (kernels/cpu_memory.py): attention reads it through the block table, a new page every few positions."""
         self.num_blocks = num_blocks
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.dtype, self.device)
+        self.kv_cache = large_zeros((self.num_layers, 2) + shape, self.kv_dtype, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[i]
 
     @property
     def bytes_per_block(self) -> int:
-        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes

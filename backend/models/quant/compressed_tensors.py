@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loom.models.kv_scales import check_kv_cache_scheme
 from loom.models.quant.base import QuantMethod, fail, need
 from loom.models.quant.gptq import act_order
 from loom.models.quant.weight import QuantizedWeight, meta_weight, num_groups, pack_int32, unpack_int32
@@ -67,7 +68,8 @@ class CompressedTensors(QuantMethod):
         status = q.get("quantization_status", "compressed")
         if status != "compressed":
             raise fail("quantization_status", f"{status!r} is not supported; loom loads compressed checkpoints")
-        for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        check_kv_cache_scheme(q.get("kv_cache_scheme"))  # its scales: models/kv_scales.py, read for an fp8 cache
+        for key in ("sparsity_config", "transform_config"):
             if q.get(key):
                 raise fail(key, "is set; loom does not load it yet (weight quantization only)")
         groups = q.get("config_groups") or {}
