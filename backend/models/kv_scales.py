@@ -33,7 +33,7 @@ def check_kv_cache_scheme(scheme: dict | None) -> None:
         return
     ok = scheme.get("num_bits") == 8 and scheme.get("type") == "float" and scheme.get("strategy") == "tensor"
     if not ok or scheme.get("dynamic"):
-        raise ConfigError("quantization_config.kv_cache_scheme",
+        raise ConfigError("config.json quantization_config.kv_cache_scheme",
                           f"{scheme!r} is not supported; loom's fp8 KV cache takes num_bits 8, type float, strategy "
                           "tensor, static scales")
 

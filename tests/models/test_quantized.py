@@ -303,9 +303,9 @@ REFUSED = [
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 2, "type": "int"}}}},
      "config_groups.group_0.weights.num_bits", "2-bit"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-      "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "channel"},  # fp8 per tensor only
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float"}}}},
-     "kv_cache_scheme", "is set"),
+     "kv_cache_scheme", "'strategy': 'channel'} is not supported"),
 ]
 
 

@@ -3,6 +3,7 @@ code when a section fails or runs out of time), its --plan dry run and time budg
 compiling every kernel for sm_90 (codegen errors the interpreter would not see)."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -206,8 +207,9 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     assert "compiled" in p.stdout
     # every split decode variant (serving head dims 64/128/256 and the edge case 8, with and without rope_store, for
-    # sm_80 and sm_90: 16) passed ticket_order
-    assert "ticket order in the PTX of 16 split decode variants" in p.stdout, p.stdout
+    # sm_80 and sm_90: 16; an fp8 cache's variants besides) passed ticket_order
+    m = re.search(r"ticket order in the PTX of (\d+) split decode variants", p.stdout)
+    assert m and int(m.group(1)) >= 16, p.stdout
 
 
 TICKET_PTX = """
