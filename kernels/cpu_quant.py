@@ -62,50 +62,32 @@ def _panels(t: torch.Tensor, nr: int) -> torch.Tensor:
     return t.unflatten(0, (-1, nr)).transpose(1, 2).contiguous()
 
 
-class PackedQuantWeight:
-    """A QuantizedWeight re-laid-out for the C++ kernel (see the module's doc); `quant` keeps the original's
-    description (shape, kind, bits, groups), its tensors dropped with drop_source()."""
+def act_order_groups(qw: QuantizedWeight) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(the act-order permutation that makes each group's input columns adjacent, or None; the scale columns in the
+    order K then runs; each group's length)."""
+    cols, perm = _columns(qw), None
+    if qw.g_idx is not None:
+        p = torch.argsort(cols, stable=True)
+        if not torch.equal(p, torch.arange(cols.numel())):
+            perm, cols = p, cols[p]
+    used, counts = torch.unique_consecutive(cols, return_counts=True)
+    return perm, used, counts
 
-    def __init__(self, qw: QuantizedWeight):
-        lib = cpu_ext.load()
-        if lib is None or not takes(qw):
-            raise ValueError("the C++ quantized GEMM needs the built CPU kernels and an int8, FP8 or int4 (groups of "
-                             "even length) weight")
-        qw.validate()
-        self.lib, self.shape, self.kind_name, self.bits = lib, qw.shape, qw.kind, qw.bits
-        N, K = qw.shape
-        nr = panel_width()
-        np_ = -(-N // nr) * nr
-        cols = _columns(qw)
-        self.perm = None
-        if qw.g_idx is not None:  # act-order: the columns of a group made adjacent
-            perm = torch.argsort(cols, stable=True)
-            if not torch.equal(perm, torch.arange(K)):
-                self.perm = perm
-                cols = cols[perm]
-        # the groups in the order K now runs (the scale columns follow), each a run of columns: group g's are
-        # [bounds[g], bounds[g + 1])
-        used, counts = torch.unique_consecutive(cols, return_counts=True)
-        self.bounds = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32).contiguous()
-        self.groups = int(used.numel())
-        if qw.kind == "fp8":
-            q = qw.weight.to("cpu").view(torch.uint8)
-            self.kind = KIND_F8
-        else:
-            q = unpack_int32(qw.weight.to("cpu"), qw.bits, K).to(torch.uint8)
-            self.kind = KIND_U8 if qw.bits == 8 else KIND_U4
-        if self.perm is not None:
-            q = q[:, self.perm]
-        q = F.pad(q, (0, 0, 0, np_ - N))
-        if self.kind == KIND_U4:  # k even in the low nibble, k + 1 in the high one
-            q = q[:, 0::2] | (q[:, 1::2] << 4)
-        self.q = _panels(q, nr)
-        scale = _rows(qw, qw.scale)[:, used]
-        self.scale = _panels(F.pad(scale, (0, 0, 0, np_ - N)), nr)
+
+class PackedQuantBase:
+    """What the C++ weight-only kernels' packed weights share: the scales (and zero points) as float32 panels
+    [panel, group, nr], the shape, the bytes held, and the QuantizedWeight packed from until drop_source()."""
+
+    shape: tuple[int, int]
+    q: torch.Tensor
+    bounds: torch.Tensor
+
+    def _pack_scales(self, qw: QuantizedWeight, used: torch.Tensor, np_: int, nr: int) -> None:
+        N = qw.shape[0]
+        self.scale = _panels(F.pad(_rows(qw, qw.scale)[:, used], (0, 0, 0, np_ - N)), nr)
         self.zero = None
         if qw.zero is not None:
             self.zero = _panels(F.pad(_rows(qw, qw.zero)[:, used], (0, 0, 0, np_ - N)), nr)
-        self.zc = float(1 << (qw.bits - 1)) if qw.kind == "int" else 0.0
         self.source: Optional[QuantizedWeight] = qw
 
     @property
@@ -122,6 +104,41 @@ class PackedQuantWeight:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero, self.bounds) if t is not None)
+
+
+class PackedQuantWeight(PackedQuantBase):
+    """A QuantizedWeight re-laid-out for the C++ kernel (see the module's doc); `quant` keeps the original's
+    description (shape, kind, bits, groups), its tensors dropped with drop_source()."""
+
+    def __init__(self, qw: QuantizedWeight):
+        lib = cpu_ext.load()
+        if lib is None or not takes(qw):
+            raise ValueError("the C++ quantized GEMM needs the built CPU kernels and an int8, FP8 or int4 (groups of "
+                             "even length) weight")
+        qw.validate()
+        self.lib, self.shape, self.kind_name, self.bits = lib, qw.shape, qw.kind, qw.bits
+        N, K = qw.shape
+        nr = panel_width()
+        np_ = -(-N // nr) * nr
+        # the groups in the order K now runs (the scale columns follow), each a run of columns: group g's are
+        # [bounds[g], bounds[g + 1])
+        self.perm, used, counts = act_order_groups(qw)
+        self.bounds = F.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32).contiguous()
+        self.groups = int(used.numel())
+        if qw.kind == "fp8":
+            q = qw.weight.to("cpu").view(torch.uint8)
+            self.kind = KIND_F8
+        else:
+            q = unpack_int32(qw.weight.to("cpu"), qw.bits, K).to(torch.uint8)
+            self.kind = KIND_U8 if qw.bits == 8 else KIND_U4
+        if self.perm is not None:
+            q = q[:, self.perm]
+        q = F.pad(q, (0, 0, 0, np_ - N))
+        if self.kind == KIND_U4:  # k even in the low nibble, k + 1 in the high one
+            q = q[:, 0::2] | (q[:, 1::2] << 4)
+        self.q = _panels(q, nr)
+        self._pack_scales(qw, used, np_, nr)
+        self.zc = float(1 << (qw.bits - 1)) if qw.kind == "int" else 0.0
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         N, K = self.shape

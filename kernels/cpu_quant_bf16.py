@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from loom.kernels import cpu_ext
 from loom.kernels.cpu_linear import loom_bf16_gemm
-from loom.kernels.cpu_quant import _columns, _panels, _rows
+from loom.kernels.cpu_quant import PackedQuantBase, act_order_groups
 from loom.models.quant.weight import QuantizedWeight, unpack_int32
 
 NR = 48  # output columns a panel (quant_gemm_bf16.cpp QB_NR)
@@ -34,23 +34,12 @@ def _unit(bits: int) -> int:
     return 4 if bits == 4 else 2
 
 
-def _groups(qw: QuantizedWeight) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(act-order permutation or None, the scale columns in the order K runs, each group's length)."""
-    cols, perm = _columns(qw), None
-    if qw.g_idx is not None:
-        p = torch.argsort(cols, stable=True)
-        if not torch.equal(p, torch.arange(cols.numel())):
-            perm, cols = p, cols[p]
-    used, counts = torch.unique_consecutive(cols, return_counts=True)
-    return perm, used, counts
-
-
 def takes(qw: QuantizedWeight) -> bool:
     """Whether this kernel runs the weight: int8 or int4, every group but the last (in the packed K order) a whole
     number of units (a k pair, a k quad: a unit's columns share their scale)."""
     if not (qw.kind == "int" and qw.bits in (4, 8)):
         return False
-    counts = _groups(qw)[2]
+    counts = act_order_groups(qw)[2]
     return not bool((counts[:-1] % _unit(qw.bits)).any())
 
 
@@ -60,7 +49,7 @@ def runs_here() -> bool:
     return lib is not None and loom_bf16_gemm(lib) and bool(lib.loom_quant_gemm_bf16_built())
 
 
-class PackedQuantBf16:
+class PackedQuantBf16(PackedQuantBase):
     """A QuantizedWeight re-laid-out for the bfloat16 kernel (see the module's doc)."""
 
     def __init__(self, qw: QuantizedWeight, emulate: bool = False):
@@ -74,7 +63,7 @@ class PackedQuantBf16:
         unit = _unit(qw.bits)
         self.kp = -(-K // unit) * unit
         np_ = -(-N // NR) * NR
-        self.perm, used, counts = _groups(qw)
+        self.perm, used, counts = act_order_groups(qw)
         bounds = F.pad(torch.cumsum(counts, 0), (1, 0))
         bounds[-1] = self.kp
         self.bounds = bounds.to(torch.int32).contiguous()
@@ -87,26 +76,8 @@ class PackedQuantBf16:
         if qw.bits == 4:  # byte h of a column: k = h (low nibble) and k = 2 + h (high)
             q = q[..., 0:2] | (q[..., 2:4] << 4)
         self.q = q.permute(0, 3, 1, 2, 4).contiguous()  # [P, units, 3, 16, 2]
-        self.scale = _panels(F.pad(_rows(qw, qw.scale)[:, used], (0, 0, 0, np_ - N)), NR)
-        self.zero = None
-        if qw.zero is not None:
-            self.zero = _panels(F.pad(_rows(qw, qw.zero)[:, used], (0, 0, 0, np_ - N)), NR)
+        self._pack_scales(qw, used, np_, NR)
         self.zc = float(1 << (qw.bits - 1))
-        self.source: Optional[QuantizedWeight] = qw
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    def drop_source(self) -> None:
-        self.source = None
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.zero, self.bounds) if t is not None)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., K] (bfloat16; float32 is rounded to it) -> [..., N] in x's dtype."""

@@ -11,6 +11,7 @@ scripts/kernel_resources.py compiles the same variants and reports their registe
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
 import re
 import sys
@@ -259,11 +260,27 @@ def check_ticket_order(variants) -> int:
     return n
 
 
+def _compile_for(arch: int, dtype_names) -> tuple[int, int]:
+    """One target's share (a forked process): -> (variants compiled, split decode variants whose ticket order was
+    checked)."""
+    targets[:] = [t for t in TARGETS if t.arch == arch]
+    launch(dtype_names)
+    return len(compiled), check_ticket_order(compiled)
+
+
 def main(argv):
     t0 = time.time()
-    launch(argv or tuple(DTYPES))
-    print(f"compiled {len(compiled)} kernel variants for sm_80 and sm_90 in {time.time() - t0:.0f}s")
-    n = check_ticket_order(compiled)
+    dtype_names = argv or tuple(DTYPES)
+    # one process per target where there are cores for it (a compile is one thread): the two targets' variants
+    # compile side by side; forked after the imports, so each starts warm
+    if len(os.sched_getaffinity(0)) > 1:
+        with multiprocessing.get_context("fork").Pool(len(TARGETS)) as pool:
+            counts = pool.starmap(_compile_for, [(t.arch, dtype_names) for t in TARGETS])
+        total, n = (sum(c) for c in zip(*counts))
+    else:
+        launch(dtype_names)
+        total, n = len(compiled), check_ticket_order(compiled)
+    print(f"compiled {total} kernel variants for sm_80 and sm_90 in {time.time() - t0:.0f}s")
     assert n, "no split decode variant compiled"
     print(f"flash-decoding ticket order in the PTX of {n} split decode variants: partial stores, bar.sync, "
           "atom.global.gpu.acq_rel.add, bar.sync, merge loads")

@@ -100,7 +100,10 @@ def count_decode_step(model_dir: str, adapter_root: str, lora: bool, seqs: int =
         runner.forward = counting_forward
         prompts = random_prompts([5, 9, 12, 7, 3, 8, 10, 6][:seqs], 320, seed=11)
         names = [("a" if i % 2 == 0 else None) if lora else None for i in range(seqs)]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), lora_names=names)
+        if lora:  # loaded before the steps, so the prefill already carries it and the next step decodes all four
+            llm.engine.adapters.load("a")
+        # two tokens: the prefill's, then the decode step counted
+        outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), lora_names=names)
         assert all(o.error is None for o in outs), [o.error for o in outs]
     if not counted:
         raise RuntimeError(f"no step decoded exactly {seqs} sequences")

@@ -40,21 +40,3 @@ def pytest_configure(config):
     except ValueError as e:
         raise __import__("pytest").UsageError(str(e)) from None
 
-
-# Packages whose tests share one expensive session fixture (a tritonserver, its model repository): under pytest-xdist
-# all of a package's tests go to one worker, so the server starts once. Everything else is grouped by file (its
-# module fixtures are built once).
-_ONE_WORKER_PACKAGES = ("e2e", "reliability")
-
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist's `--dist loadgroup` (scripts/test.sh), the groups above; without xdist, nothing."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(tests)
-        group = rel.parts[0] if rel.parts[0] in _ONE_WORKER_PACKAGES else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -184,13 +184,18 @@ class DecodeGraphs:
         self._stage_padding(b, None)
         self._forward_fn(b, None)()
 
+    def _stage_padding_rows(self, b: int) -> None:
+        """What else a padding capture's rows need (verify graphs: their empty prefill rows)."""
+
     def _stage_padding(self, b: int, key: frozenset | None) -> None:
         """All-padding inputs for a capture: no token stored, every context empty, no LoRA token."""
         buf = self.runner.buffers
+        n = self.tokens_of(b)
         buf.begin()
-        buf.host("input_ids", b)[:] = 0
-        buf.host("positions", b)[:] = 0
-        buf.host("slot_mapping", b)[:] = -1
+        buf.host("input_ids", n)[:] = 0
+        buf.host("positions", n)[:] = 0
+        buf.host("slot_mapping", n)[:] = -1
+        self._stage_padding_rows(b)
         buf.host("seq_lens", b)[:] = 0
         buf.host("block_tables", b, self.runner.max_blocks_per_seq)[:] = 0
         self.runner.forget_block_tables()

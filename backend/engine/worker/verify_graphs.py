@@ -61,21 +61,8 @@ class VerifyGraphs(DecodeGraphs):
 
         return forward
 
-    def _stage_padding(self, b: int, key: frozenset | None) -> None:
-        """All-padding inputs for a capture: every row empty, no token stored, no LoRA token."""
-        buf = self.runner.buffers
-        n = self.tokens_of(b)
-        buf.begin()
-        buf.host("input_ids", n)[:] = 0
-        buf.host("positions", n)[:] = 0
-        buf.host("slot_mapping", n)[:] = -1
-        buf.host("prefill_cu", b + 1)[:] = 0
-        buf.host("seq_lens", b)[:] = 0
-        buf.host("block_tables", b, self.runner.max_blocks_per_seq)[:] = 0
-        self.runner.forget_block_tables()
-        if key is not None:
-            self._stage_lora_groups(b, [0], [], [], [])
-        buf.commit()
+    def _stage_padding_rows(self, b: int) -> None:
+        self.runner.buffers.host("prefill_cu", b + 1)[:] = 0  # every row empty
 
     def run(self, batch, lora: LoraBatchMeta | None, extra_rows: list[int] | None = None, fill=None):
         """Serve a step whose rows all have at most `width` tokens, one at least two (decode-only steps are the
