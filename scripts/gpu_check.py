@@ -61,11 +61,11 @@ class Section:
 SECTIONS = [
     Section("kernels", "harness.gpu_kernels:run", 50, 150, False),
     Section("kernel_grid", "harness.gpu_kernels:run_grid", 65, 60, False),
-    Section("engine", "harness.gpu_engine:run_engine", 110, 150, False),
+    Section("engine", "harness.gpu_engine:run_engine", 115, 150, False),
     Section("lora", "harness.gpu_engine:run_lora", 20, 150, False),
     Section("sampler", "harness.gpu_sampler:run", 10, 60, False),
     Section("memory", "harness.gpu_perf:run_memory", 50, 60, True),
-    Section("speed", "harness.gpu_perf:run_speed", 55, 90, True),
+    Section("speed", "harness.gpu_perf:run_speed", 50, 90, True),
     Section("tp", "harness.gpu_tp:run_tp", 35, 120, True, optional=True),
     Section("speed_8b", "harness.gpu_perf:run_speed_8b", 25, 60, True, optional=True),
 ]
