@@ -49,15 +49,11 @@ class PackedExperts:
         # given what the kernel does not take, fused_moe runs (the reference)
         if torch.compiler.is_compiling() or not cpu_ext.usable(x) or x.dim() != 2:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
-        x = x.contiguous()
-        w = cpu_ext.contiguous(topk_weights, torch.float32)
-        ids = cpu_ext.contiguous(topk_ids, torch.int64)
-        (T, H), (E, two_i, _), K = x.shape, self.w13.shape, ids.shape[1]
-        out = torch.empty((T, H), dtype=torch.float32)
+        x, w, ids, (T, H, I, E, K), out = _operands(x, topk_weights, topk_ids, self.w13)
         if T:
-            self.lib.loom_moe_experts(x.data_ptr(), T, H, two_i // 2, E, self._p13, self._p2, w.data_ptr(),
-                                      ids.data_ptr(), K, out.data_ptr(), BLOCK_ABOVE_BYTES, block_rows(H),
-                                      block_rows(two_i // 2), cpu_ext.nthreads())
+            self.lib.loom_moe_experts(x.data_ptr(), T, H, I, E, self._p13, self._p2, w.data_ptr(), ids.data_ptr(), K,
+                                      out.data_ptr(), BLOCK_ABOVE_BYTES, block_rows(H), block_rows(I),
+                                      cpu_ext.nthreads())
         return out
 
 
@@ -82,12 +78,18 @@ class PackedExpertsBf16:
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2:
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
-        x = x.contiguous()
-        w = cpu_ext.contiguous(topk_weights, torch.float32)
-        ids = cpu_ext.contiguous(topk_ids, torch.int64)
-        (T, H), (E, two_i, _), K = x.shape, self.w13.shape, ids.shape[1]
-        out = torch.empty((T, H), dtype=torch.float32)
+        x, w, ids, (T, H, I, E, K), out = _operands(x, topk_weights, topk_ids, self.w13)
         if T:
-            self.lib.loom_moe_experts_bf16(x.data_ptr(), T, H, two_i // 2, E, self._p13, self._p2, w.data_ptr(),
+            self.lib.loom_moe_experts_bf16(x.data_ptr(), T, H, I, E, self._p13, self._p2, w.data_ptr(),
                                            ids.data_ptr(), K, out.data_ptr(), cpu_ext.nthreads())
         return out.to(torch.bfloat16)
+
+
+def _operands(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor):
+    """What the C++ experts calls take: x, the routing weights (float32) and ids (int64) contiguous, (tokens, hidden,
+    intermediate, experts, experts per token) and the float32 output."""
+    x = x.contiguous()
+    w = cpu_ext.contiguous(topk_weights, torch.float32)
+    ids = cpu_ext.contiguous(topk_ids, torch.int64)
+    (T, H), (E, two_i, _), K = x.shape, w13.shape, ids.shape[1]
+    return x, w, ids, (T, H, two_i // 2, E, K), torch.empty((T, H), dtype=torch.float32)
