@@ -49,9 +49,12 @@ NICE = 10
 _ALIGN = 64
 
 
-# The child: a fresh interpreter (nothing of the engine's process inherited), which takes the engine's sys.path, then
-# its arguments, over the socket it is given (argv[1]); never the engine's __main__ (as multiprocessing's spawn would).
-_BOOT = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
+# The child: a fresh interpreter (nothing of the engine's process inherited), which lowers its CPU priority to
+# argv[2] first (its imports of torch and loom are seconds of CPU: at the engine's priority they would take a core
+# from the running streams), then takes the engine's sys.path and its arguments over the socket it is given
+# (argv[1]); never the engine's __main__ (as multiprocessing's spawn would).
+_BOOT = ("import os, sys\ntry:\n    os.nice(int(sys.argv[2]))\nexcept OSError:\n    pass\n"
+         "from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
          "sys.path[:0] = [p for p in c.recv() if p not in sys.path]; "
          "from loom.lora.load_process import child_main; child_main(c, *c.recv())")
 
@@ -120,16 +123,12 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, nice: int) -> None:
+def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int) -> None:
     """The loader process of engine process `parent`: jobs (path, name, config) -> ("ok", meta) + the memory file's
     descriptor, or ("error", message naming the adapter); None or end-of-file: exit."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the engine's terminal: the engine stops it
-    try:
-        os.nice(nice)
-    except OSError:
-        pass
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # (its priority was lowered by _BOOT before any import)
     while True:
         try:
             job = conn.recv()
@@ -177,7 +176,7 @@ class LoaderProcess:
     """The registry's loader process (module docstring): `load` on the loader thread, `close` at engine close."""
 
     def __init__(self, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, nice: int = NICE):
-        self._args = (spec, dtype, max_lora_rank, nice)
+        self._args, self._nice = (spec, dtype, max_lora_rank), nice
         self._state: dict = {}  # "proc", "conn" while one runs
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._state, 0.0)
@@ -190,8 +189,8 @@ class LoaderProcess:
     def _start(self) -> None:
         mine, theirs = socket.socketpair()
         try:
-            proc = subprocess.Popen([_python(), "-c", _BOOT, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([_python(), "-c", _BOOT, str(theirs.fileno()), str(self._nice)],
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()  # only the child holds its end: it reads end-of-file when this process goes
         conn = Connection(mine.detach())

@@ -100,6 +100,11 @@ def test_loads_in_the_process_never_stall_other_adapters(tiny_base, adapter_set,
     # what the process handed back is exactly the in-process layout (not a copy of it: a mapping of the child's file)
     pid = reg.loader_pid
     assert pid is not None and pid != os.getpid()
+    # at a lower CPU priority than the engine (set before its imports, by its boot line)
+    from loom.lora.load_process import NICE
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + NICE)
     ref = reg.acquire("a4")
     want = load_peft_adapter(str(adapter_set / "a4"), "a4", reg.spec, torch.float32, 16)
     got = ref._v.host
