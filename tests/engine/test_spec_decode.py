@@ -216,6 +216,43 @@ def test_measured_backoff_keeps_greedy_tokens(tmp_path):
     assert_no_leak(spec.engine)
 
 
+def test_a_request_whose_proposals_miss_waits_longer_each_time(tmp_path):
+    """Per request: after a verification that accepted none of its proposals it proposes again only 2, 4, ... 32
+    tokens later (an accepted proposal resets it); checked against every draft the requests made, tokens unchanged."""
+    from loom.engine.spec_decode import decoder as dec
+
+    _, path = make_hf_model("llama", tmp_path)
+    prompts = repetitive_prompts(hf_config("llama").vocab_size, seed=5)
+    params = [SamplingParams(max_tokens=48, **GREEDY)] * len(prompts)
+    kw = dict(block_size=8, kv_cache_memory_bytes=4 << 20)
+    spec = LLM(path, speculative_config=SPEC, **kw)
+    drafts: dict[str, list[tuple[int, int]]] = {}  # request -> (its output tokens before the draft, accepted)
+    verify = dec.SpecDecoder._verify
+
+    def recording(self, drafted, logits):
+        runs = verify(self, drafted, logits)
+        for seq, r in zip(drafted, runs):
+            drafts.setdefault(seq.request_id, []).append((seq.num_output_tokens - seq.num_draft_tokens, r.accepted))
+        return runs
+
+    dec.SpecDecoder._verify = recording
+    try:
+        got = run(spec, prompts, params)
+    finally:
+        dec.SpecDecoder._verify = verify
+    assert got == run(LLM(path, **kw), prompts, params)
+    misses = 0
+    for history in drafts.values():
+        run_of_misses = 0
+        for (at, accepted), (nxt, _) in zip(history, history[1:]):
+            run_of_misses = 0 if accepted else run_of_misses + 1
+            if not accepted:  # the next draft waits for 1 + min(2^m, 32) tokens after this one's first output
+                assert nxt >= at + 1 + min(1 << run_of_misses, dec.MAX_QUIET_TOKENS), (at, nxt, history)
+        misses += sum(1 for _, a in history if a == 0)
+    assert misses > 0 and any(a for h in drafts.values() for _, a in h)  # both branches of the rule ran
+    assert_no_leak(spec.engine)
+
+
 # ---- sampled: distributed as the target --------------------------------------------------------------------
 def _chi2_ok(counts: dict, probs: dict, n: int) -> tuple[float, float]:
     chi2 = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items() if p > 0)

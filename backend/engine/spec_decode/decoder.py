@@ -59,6 +59,9 @@ class VerifiedStep:
     runs: list[Run] = field(default_factory=list)
 
 
+MAX_QUIET_TOKENS = 32  # the longest a request waits to propose again after misses in a row
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, engine):
         self.config = config
@@ -111,7 +114,8 @@ class SpecDecoder:
         self._step = None
 
     def _eligible(self, seq: Sequence) -> bool:
-        return seq.params.speculative and seq.sampling_row >= 0 and seq.num_output_tokens > 0
+        return (seq.params.speculative and seq.sampling_row >= 0 and seq.num_output_tokens > 0
+                and seq.num_output_tokens >= seq.spec_quiet_until)
 
     def _max_k(self, seq: Sequence) -> int:
         """Proposals that can all be emitted with the token after them (max_tokens, the context)."""
@@ -289,6 +293,11 @@ class SpecDecoder:
                     list(zip(v.top_ids[j].tolist(), v.top_logprobs[j].tolist())) for j in range(r, r + a + 1)]
                 lps = [(float(x), t) for x, t in zip(vals, tops)]
             runs.append(Run(seq, a, tokens, lps))
+            if a:
+                seq.spec_misses = 0
+            else:  # nothing accepted: this request's proposals wait 2, 4, ... 32 tokens (rows cost 1 + k each)
+                seq.spec_misses += 1
+                seq.spec_quiet_until = seq.num_output_tokens - k + 1 + min(1 << seq.spec_misses, MAX_QUIET_TOKENS)
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += a
