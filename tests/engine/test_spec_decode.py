@@ -217,8 +217,9 @@ def test_measured_backoff_keeps_greedy_tokens(tmp_path):
 
 
 def test_a_request_whose_proposals_miss_waits_longer_each_time(tmp_path):
-    """Per request: after a verification that accepted none of its proposals it proposes again only 2, 4, ... 32
-    tokens later (an accepted proposal resets it); checked against every draft the requests made, tokens unchanged."""
+    """Per request: after a verification that accepted none of its proposals (or a search that found none) it proposes
+    again only 2, 4, ... 32 tokens later (an accepted proposal resets it); checked against every draft the requests
+    made, tokens unchanged."""
     from loom.engine.spec_decode import decoder as dec
 
     _, path = make_hf_model("llama", tmp_path)

@@ -47,8 +47,9 @@ class Sequence:
     # speculative decoding: the last num_draft_tokens of token_ids are proposals being verified this step (only
     # between the scheduler drafting them and the step's verification; loom.engine.spec_decode)
     num_draft_tokens: int = 0
-    # ... and its own back-off: after a verification that accepted none of its proposals it proposes again only once
-    # it has this many output tokens (2, 4, ..., 32 more after each such miss in a row; an accepted one resets it)
+    # ... and its own back-off: after a verification that accepted none of its proposals (or a search that found no
+    # n-gram) it proposes again only once it has this many output tokens (2, 4, ..., 32 more after each such miss
+    # in a row; an accepted proposal resets it)
     spec_quiet_until: int = 0
     spec_misses: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first scheduled (TTFT waterfall)

@@ -113,6 +113,13 @@ class SpecDecoder:
                 self.backoff.observe(decode, on, generated, time.perf_counter() - t0)
         self._step = None
 
+    @staticmethod
+    def _quiet(seq: Sequence, outputs: int) -> None:
+        """A miss (nothing accepted, or no n-gram found) at `outputs` output tokens: the request proposes again 2, 4,
+        ..., MAX_QUIET_TOKENS tokens later, the longer the more misses in a row."""
+        seq.spec_misses += 1
+        seq.spec_quiet_until = outputs + min(1 << seq.spec_misses, MAX_QUIET_TOKENS)
+
     def _eligible(self, seq: Sequence) -> bool:
         return (seq.params.speculative and seq.sampling_row >= 0 and seq.num_output_tokens > 0
                 and seq.num_output_tokens >= seq.spec_quiet_until)
@@ -162,6 +169,8 @@ class SpecDecoder:
         else:
             c = self.config
             prop = Proposal(propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max))
+            if not prop.tokens:  # no n-gram recurs: searching again at every token costs the step (open-ended text)
+                self._quiet(seq, seq.num_output_tokens)
             if seq.matcher is not None and prop.tokens:
                 prop = self._check_grammar(seq, prop.tokens)
         if not prop.tokens:
@@ -295,9 +304,8 @@ class SpecDecoder:
             runs.append(Run(seq, a, tokens, lps))
             if a:
                 seq.spec_misses = 0
-            else:  # nothing accepted: this request's proposals wait 2, 4, ... 32 tokens (rows cost 1 + k each)
-                seq.spec_misses += 1
-                seq.spec_quiet_until = seq.num_output_tokens - k + 1 + min(1 << seq.spec_misses, MAX_QUIET_TOKENS)
+            else:  # nothing accepted: this request's proposals wait (rows cost 1 + k tokens each)
+                self._quiet(seq, seq.num_output_tokens - k + 1)
             st.num_drafts += 1
             st.num_draft_tokens += k
             st.num_accepted_tokens += a
