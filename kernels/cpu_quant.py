@@ -81,6 +81,12 @@ class PackedQuantBase:
     shape: tuple[int, int]
     q: torch.Tensor
     bounds: torch.Tensor
+    perm: Optional[torch.Tensor]  # act-order: the input columns in the packed K order, or None
+
+    def _input_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] as rows [M, K], its columns in the order the packed K runs."""
+        x2 = x.reshape(-1, self.shape[1])
+        return x2.index_select(1, self.perm) if self.perm is not None else x2
 
     def _pack_scales(self, qw: QuantizedWeight, used: torch.Tensor, np_: int, nr: int) -> None:
         N = qw.shape[0]
@@ -143,9 +149,7 @@ class PackedQuantWeight(PackedQuantBase):
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         N, K = self.shape
         shape = x.shape
-        x2 = x.reshape(-1, K)
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)
+        x2 = self._input_rows(x)
         if x2.dtype != torch.float32 or x2.stride(-1) != 1:
             x2 = x2.float().contiguous()
         m = x2.shape[0]

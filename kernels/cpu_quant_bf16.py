@@ -83,9 +83,7 @@ class PackedQuantBf16(PackedQuantBase):
         """x [..., K] (bfloat16; float32 is rounded to it) -> [..., N] in x's dtype."""
         N, K = self.shape
         shape = x.shape
-        x2 = x.reshape(-1, K)
-        if self.perm is not None:
-            x2 = x2.index_select(1, self.perm)
+        x2 = self._input_rows(x)
         if self.kp != K:
             x2 = F.pad(x2, (0, self.kp - K))
         if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:

@@ -114,13 +114,8 @@ def apply_path(model: nn.Module, path) -> None:
 
     t = time.perf_counter()
     if path.quant == CPU:
-        n, nbytes = pack_quantized_weights(model)
+        n, nbytes, bf16 = pack_quantized_weights(model)
         if n:
-            from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
-            from loom.layers.quant_linear import QuantLinear
-
-            bf16 = sum(isinstance(w, PackedQuantBf16) for m in model.modules() if isinstance(m, QuantLinear)
-                       for _, w in m.parts)
             log.info("re-laid out %d quantized linear layers' weights (%.1f MB) for the C++ weight-only GEMM in "
                      "%.2fs%s", n, nbytes / 1e6, time.perf_counter() - t,
                      f" ({bf16} parts for the bfloat16 one, VDPBF16PS)" if bf16 else "")
@@ -209,29 +204,30 @@ def pack_linear_weights_bf16(model: nn.Module, loom: bool, experts: bool = False
     return n
 
 
-def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
+def pack_quantized_weights(model: nn.Module) -> tuple[int, int, int]:
     """Re-lay out the quantized weights of every QuantLinear (layers/quant_linear.py) and QuantExperts
     (layers/quant_experts.py) for the C++ weight-only GEMM
     (kernels/cpu_quant.PackedQuantWeight), dropping the checkpoint-layout copy; a part the kernel does not take
     keeps its QuantizedWeight (the reference runs it). A bfloat16 model's QuantLinear parts go to the bfloat16 kernel
     (kernels/cpu_quant_bf16.PackedQuantBf16, VDPBF16PS) where the CPU has avx512_bf16 and the part is one it takes.
-    Returns (layers re-laid out, bytes of their panels)."""
+    Returns (layers re-laid out, bytes of their panels, parts on the bfloat16 kernel)."""
     from loom.kernels import cpu_quant_bf16
     from loom.kernels.cpu_quant import PackedQuantWeight, takes
     from loom.layers.quant_experts import QuantExperts
     from loom.layers.quant_linear import QuantLinear
     from loom.models.quant.weight import QuantizedWeight
 
-    n, nbytes = 0, 0
+    n, nbytes, on_bf16 = 0, 0, 0
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     bf16 = dtype == torch.bfloat16 and cpu_quant_bf16.runs_here()
 
     def pack(w, linear: bool):
-        nonlocal nbytes
+        nonlocal nbytes, on_bf16
         if not isinstance(w, QuantizedWeight):
             return w
         if bf16 and linear and cpu_quant_bf16.takes(w):
             packed = cpu_quant_bf16.PackedQuantBf16(w)
+            on_bf16 += 1
         elif takes(w):
             packed = PackedQuantWeight(w)
         else:
@@ -245,4 +241,4 @@ def pack_quantized_weights(model: nn.Module) -> tuple[int, int]:
             linear = isinstance(mod, QuantLinear)
             mod.map_parts(lambda w: pack(w, linear))
             n += 1
-    return n, nbytes
+    return n, nbytes, on_bf16
