@@ -12,8 +12,8 @@
       (measured against oneDNN on Zen 5: 0.44-0.67 of its time at 1 row, 0.76-0.98 at 32, even at 256-2,048),
       else oneDNN's prepacked bfloat16 GEMM (AMX where the CPU has it), where torch's oneDNN takes bfloat16 on this
       CPU; LOOM_BF16_GEMM=onednn picks oneDNN's (to compare). Over loom's GEMM each decoder layer runs in one C++
-      call too (steps without LoRA; with it, the Python layers); LoRA runs the C++ pass on rows widened to float32
-      (kernels/cpu_lora.py); MoE experts stay on the PyTorch path.
+      call too, LoRA included (the C++ pass on rows widened to float32, kernels/cpu_lora.py), and MoE experts run
+      loom's bfloat16 GEMM (kernels/cpu_moe.py); over oneDNN's they stay on the PyTorch path.
     float16: the references. Every dtype's float32 logits take the C++ argmax.
     Quantized checkpoints' linear layers and MoE experts keep their weights quantized (layers/quant_linear.py,
     layers/quant_experts.py): the C++ weight-only
@@ -79,10 +79,10 @@ class KernelPath:
                         GEMM_LOOM_BF16: "loom's bfloat16 GEMM (VDPBF16PS)"}.get(self.gemm, "F.linear")
                 units = ", ".join(f for f in ("amx_bf16", "avx512_bf16") if f in cpu_ext.cpu_flags()) or \
                     "no 16-bit units: emulated"
+                experts = "loom's bfloat16 GEMM" if self.packed_experts else "PyTorch"
                 line += (f"; {name}: C++ norms, rotary, activations, KV store, paged attention (float32 math); "
-                         f"linear layers: {gemm} ({units}); LoRA: the C++ pass on widened rows; MoE experts: PyTorch")
-                if self.layer_pass:
-                    line += " (a step with LoRA runs the Python layers)"
+                         f"linear layers: {gemm} ({units}); LoRA: the C++ pass on widened rows; "
+                         f"MoE experts: {experts}")
             return line
         if not cpu_ext.enabled():
             return cpu_ext.describe()
