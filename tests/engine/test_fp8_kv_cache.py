@@ -85,6 +85,45 @@ def test_checkpoint_scales_reach_the_layers(tmp_path):
         llm.close()
 
 
+def test_kv_cache_scheme_only_checkpoint_loads_dense_weights(tmp_path):
+    """llm-compressor's KV-cache-only recipe: quantization_config has a kv_cache_scheme and no config_groups. The
+    weights load as the dense model's (greedy tokens equal to the same folder without the config), an fp8 engine
+    takes the saved scales; a bad scheme is still refused naming it."""
+    import json
+
+    _, path = make_hf_model("llama", tmp_path)
+    f = f"{path}/model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    save_file(tensors, f, metadata={"format": "pt"})
+    kw = dict(max_model_len=64, kv_cache_memory_bytes=1 << 20, cpu_threads=1)
+    prompt = [5, 9, 13, 2, 7, 11]
+    plain = LLM(path, **kw)
+    want = plain.generate([prompt], SP(temperature=0, max_tokens=6))[0].token_ids
+    plain.close()
+    with open(f"{path}/config.json") as fh:
+        cfg = json.load(fh)
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                                  "quantization_status": "compressed", "kv_cache_scheme": scheme}
+    with open(f"{path}/config.json", "w") as fh:
+        json.dump(cfg, fh)
+    llm = LLM(path, **kw)
+    assert llm.generate([prompt], SP(temperature=0, max_tokens=6))[0].token_ids == want
+    llm.close()
+    llm = LLM(path, kv_cache_dtype="fp8", **kw)
+    assert (llm.engine.runner.model.attention_layers()[0].k_scale,
+            llm.engine.runner.model.attention_layers()[0].v_scale) == (0.25, 0.5)
+    assert len(llm.generate([prompt], SP(temperature=0, max_tokens=4))[0].token_ids) == 4
+    llm.close()
+    cfg["quantization_config"]["kv_cache_scheme"] = dict(scheme, strategy="channel")
+    with open(f"{path}/config.json", "w") as fh:
+        json.dump(cfg, fh)
+    with pytest.raises(ConfigError, match="kv_cache_scheme"):
+        LLM(path, **kw)
+
+
 def test_kv_cache_scheme_other_than_fp8_per_tensor_is_refused():
     check_kv_cache_scheme({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False})
     check_kv_cache_scheme(None)

@@ -64,7 +64,9 @@ class CompressedTensors(QuantMethod):
         return next((s.activations for s in self.schemes if s.activations), None)
 
     @classmethod
-    def parse(cls, q: dict) -> "CompressedTensors":
+    def parse(cls, q: dict) -> "CompressedTensors | None":
+        """None for a checkpoint whose only quantization is its KV cache scheme (llm-compressor's kv-cache-only
+        recipe): its weights are dense, its K/V scales read where an fp8 cache uses them."""
         status = q.get("quantization_status", "compressed")
         if status != "compressed":
             raise fail("quantization_status", f"{status!r} is not supported; loom loads compressed checkpoints")
@@ -73,6 +75,8 @@ class CompressedTensors(QuantMethod):
             if q.get(key):
                 raise fail(key, "is set; loom does not load it yet (weight quantization only)")
         groups = q.get("config_groups") or {}
+        if not groups and q.get("kv_cache_scheme"):
+            return None
         if not groups:
             raise fail("config_groups", "is empty: no quantization scheme to load")
         return cls(tuple(_scheme(f"config_groups.{name}", g, q.get("format")) for name, g in groups.items()),
