@@ -28,6 +28,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -140,6 +141,20 @@ def _read_expert_weights(name: str, entries: dict, spec: LoraModelSpec, mods: di
                                "A": A.reshape(E, r, A.shape[1]), "Bt": B.reshape(B.shape[0], r, E).permute(2, 1, 0)}
 
 
+Alloc = Callable[[list[tuple[str, str, tuple[int, ...]]], torch.dtype], dict[tuple[str, str], torch.Tensor]]
+
+
+def zeros_alloc(shapes: list[tuple[str, str, tuple[int, ...]]], dtype: torch.dtype) -> dict:
+    """load_peft_adapter's default allocation of the laid-out tensors: zero-filled, in this process's heap."""
+    return {(kind, g): torch.zeros(shape, dtype=dtype) for kind, g, shape in shapes}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t. A float32 sum is finite only if every element is (NaN and Inf propagate): one vectorised
+    pass, 1 ms for 5 M bfloat16 elements against isfinite's 16; only a sum that overflows takes the exact check."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
+
+
 def load_peft_adapter(
     adapter_dir: str,
     name: str,
@@ -148,8 +163,11 @@ def load_peft_adapter(
     max_lora_rank: int,
     config: AdapterConfigInfo | None = None,
     pin_memory: bool = False,
+    alloc: Alloc | None = None,
 ) -> AdapterWeights:
-    """Read, validate and lay out one adapter (host memory). Raises AdapterLoadError."""
+    """Read, validate and lay out one adapter (host memory). Raises AdapterLoadError. alloc: where the laid-out
+    tensors are made, zero-filled (default zeros_alloc; the loader process's lands them in the memory file it hands
+    over)."""
     from safetensors.torch import load as st_load
 
     if config is None:
@@ -233,8 +251,6 @@ def load_peft_adapter(
         alpha = config.alpha_pattern[ak] if ak is not None else config.lora_alpha
         module_rank[(layer, proj)] = r
         module_scaling[(layer, proj)] = config.scaling_for(r, alpha)
-        if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all()):
-            raise _fail(name, f"{where}: weights contain NaN or Inf")
 
     present = sorted({proj for _, proj in mods}, key=ALL_PROJS.index)
     extra = sorted(set(mods) - targeted)
@@ -254,14 +270,17 @@ def load_peft_adapter(
     a_out: dict[str, torch.Tensor] = {}
     b_out: dict[str, torch.Tensor] = {}
     group_ranks: dict[str, int] = {}
-    for g in spec.groups:
-        here = [(layer, proj) for (layer, proj) in mods if spec.group_of(proj) is g]
-        if not here:
-            continue
+    present_groups = [(g, [(layer, proj) for (layer, proj) in mods if spec.group_of(proj) is g]) for g in spec.groups]
+    present_groups = [(g, here) for g, here in present_groups if here]
+    shapes = []  # ("a" / "b", group, shape) of every laid-out tensor, allocated at once (alloc)
+    for g, _ in present_groups:
+        lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
+        shapes += [("a", g.name, (*lead, g.num_slices, rank, g.in_features)),
+                   ("b", g.name, (*lead, rank, g.out_features))]
+    out = (alloc or zeros_alloc)(shapes, dtype)
+    for g, here in present_groups:
         pos = {layer: i for i, layer in enumerate(spec.layers_of(g))}  # the weights' layers all have the group
-        lead = (len(pos),) + ((g.num_experts,) if g.num_experts else ())
-        a = torch.zeros(*lead, g.num_slices, rank, g.in_features, dtype=dtype)
-        b = torch.zeros(*lead, rank, g.out_features, dtype=dtype)
+        a, b = out[("a", g.name)], out[("b", g.name)]
         offs = g.slice_offsets
         for layer, proj in here:
             e = mods[(layer, proj)]
@@ -276,6 +295,13 @@ def load_peft_adapter(
         a_out[g.name] = a
         b_out[g.name] = b
         group_ranks[g.name] = max(module_rank[m] for m in here)
+    # NaN / Inf checked over each laid-out group (after B's scaling, which could overflow), not per tensor: 420
+    # tensors' isfinite were 19 of a rank-16 bfloat16 adapter's 40 ms of CPU (the loader competes with the steps)
+    if not all(map(_all_finite, (*a_out.values(), *b_out.values()))):
+        bad = next((layer, proj) for (layer, proj), e in sorted(mods.items())
+                   if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all())
+                   or not torch.isfinite(e["Bt"].float() * (module_scaling[(layer, proj)] / base_scaling)).all())
+        raise _fail(name, f"layers.{bad[0]}.{bad[1]}: weights contain NaN or Inf")
     w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash, group_ranks)
     if pin_memory:
         w.pin_memory()
