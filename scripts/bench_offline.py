@@ -364,8 +364,8 @@ def report(res: dict, args) -> str:
     for name in _loom_names(sysres):
         lines.append(f"{name} ({sysres[name].get('dtype')}): {sysres[name].get('kernels')}")
     for name in _vllm_names(sysres):
-        lines.append(f"{name}: {args.dtype}, its own CPU build's kernels (oneDNN / IPEX: they dispatch to the units "
-                     "above)")
+        lines.append(f"{name}: {args.dtype}, its own CPU build's kernels (oneDNN matmuls on the units above); "
+                     f"{sysres[name].get('cpu_isa') or 'attention ISA not reported'}")
     for t in sorted({sysres[k]["threads"] for k in _loom_names(sysres)}):
         by = {sysres[k].get("dtype"): k for k in _loom_names(sysres) if sysres[k]["threads"] == t}
         if "bfloat16" in by and "float32" in by:

@@ -119,6 +119,25 @@ async def timed_batch(engine, label, prompts, max_tokens, lora_reqs, sequential=
             "tokens_per_s": sum(len(r["token_ids"]) for r in reqs) / wall_s}
 
 
+def _cpu_isa(kw: dict, model: str) -> str:
+    """What vLLM's CPU build dispatches to here: its paged attention's ISA (amx / vec / vec16 ...; its own choice,
+    v1/attention/backends/cpu_attn.py) and the 16-bit units torch sees (oneDNN's matmuls use them)."""
+    try:
+        import torch
+        from transformers import AutoConfig
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        cfg = AutoConfig.from_pretrained(model)
+        head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = getattr(torch, kw.get("dtype", "float32"))
+        isa = _get_attn_isa(dtype, int(kw.get("block_size") or 128), head)
+        units = [n for n, f in (("amx", "_is_amx_tile_supported"), ("avx512", "_is_avx512_supported"),
+                                ("avx512_bf16", "_is_avx512_bf16_supported")) if getattr(torch.cpu, f, lambda: 0)()]
+        return f"attention ISA {isa}; torch sees {', '.join(units) or 'none of amx/avx512'}"
+    except Exception as e:  # noqa: BLE001 - a private function of vLLM's: report, never fail the run
+        return f"unknown ({type(e).__name__})"
+
+
 async def main(job):
     import vllm
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -186,7 +205,7 @@ async def main(job):
         del engine  # else its __del__ runs shutdown() again at interpreter exit and logs a TypeError
 
     first = results[runs[0]["name"]]
-    return {"startup_s": startup_s, **first, "runs": results,
+    return {"startup_s": startup_s, **first, "runs": results, "cpu_isa": _cpu_isa(kw, job["model"]),
             "threads": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
             "max_loras": kw.get("max_loras"),
             "vllm_version": vllm.__version__,
