@@ -107,7 +107,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     # weight-only GEMM on CPU), else they are dequantised here. Kept: the float weights of the layers (and MoE
     # experts) the checkpoint stores wholly quantized are never allocated (they stay on the meta device until their
     # module is replaced by a QuantLinear / QuantExperts): the load's peak is the quantized model, not the float one.
-    keep_quantized = keeps_quantized(quant, tp, device, dtype)
+    keep_quantized = keeps_quantized(quant, device, dtype)
     stored = quantized_modules(files, quant) if keep_quantized else {}
     kept_linears, kept_experts = kept_quantized(model, stored)
     if quant is not None:

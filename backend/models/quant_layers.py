@@ -34,11 +34,11 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 HOLDS = (LoRALinear, ColumnParallelLinear, RowParallelLinear)
 
 
-def keeps_quantized(quant, tp, device, dtype: torch.dtype) -> bool:
+def keeps_quantized(quant, device, dtype: torch.dtype) -> bool:
     """Whether a quantized checkpoint's linear weights stay quantized (QuantLinear) or are dequantised into `dtype` at
     load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU); under
-    tensor parallelism each rank keeps its shard quantized (models/quant/shard.py). `tp` does not change the answer
-    (a layout a rank cannot split is refused, `rank_shard`)."""
+    tensor parallelism each rank keeps its shard quantized (models/quant/shard.py; a layout a rank cannot split is
+    refused, `rank_shard`)."""
     return quant is not None and decide(device, dtype).quant != REFERENCE
 
 

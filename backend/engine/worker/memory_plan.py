@@ -114,7 +114,7 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
         model = build_meta_model(cfg, max_len, RankShape(rank, n) if n > 1 else None, dtype)
         spec = model.spec
         if spec.quant is not None:
-            keep = keeps_quantized(spec.quant, None if n == 1 else RankShape(rank, n), device, dtype)
+            keep = keeps_quantized(spec.quant, device, dtype)
             name = next(k for k, v in METHODS.items() if isinstance(spec.quant, v))
             quant = f"{name}, " + ("kept quantized" if keep else f"dequantised into {str(dtype)[6:]} at load")
             if keep:
