@@ -151,11 +151,12 @@ def rank_shard(qw: QuantizedWeight, src: tuple, where: str) -> QuantizedWeight:
     try:
         return take(qw, src)
     except Unsplittable as e:
+        kind = "fp8" if qw.kind == "fp8" else f"int{qw.bits}"
         unit = f"group size {qw.group_size}" if qw.group_size else f"block {qw.block}" if qw.block else \
             f"{32 // qw.bits} columns a packed word"
-        raise ConfigError("tensor_parallel_size", f"{where}: {e}: its quantized weight ({qw.kind}{qw.bits}, {unit}) "
-                          "cannot be split across the ranks; use a tensor_parallel_size whose shards hold whole "
-                          "groups (or a checkpoint quantized with a smaller group size)") from None
+        raise ConfigError("tensor_parallel_size", f"{where}: {e}: its quantized weight ({kind}, {unit}) cannot be "
+                          "split across the ranks; use a tensor_parallel_size whose shards hold whole groups / "
+                          "blocks (or a checkpoint quantized in smaller ones)") from None
 
 
 def place_quant_linear(model, params: dict, module_name: str, parts: list, device) -> None:

@@ -1,6 +1,6 @@
 """Quantized checkpoints under tensor parallelism (CPU, gloo): each rank keeps its shard of the quantized weights
 quantized (QuantLinear over exactly its rows or columns, QuantExperts over its intermediate slice), and TP=2 gives
-TP=1's greedy tokens on the same checkpoint in float32. A layout a rank cannot split (its columns not whole groups)
+TP=1's greedy tokens on the same checkpoint in float32. A layout a rank cannot split (not whole groups or blocks)
 is refused naming tensor_parallel_size, by the loader and the memory plan alike."""
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ CASES = {
         "phi3", root, "gptq", "gptq-act", dict(desc_act=True, group_size=32, sym=False)),
 }
 DENSE = list(CASES)
+# shards checked without an engine: zero points packed along the output (AWQ), FP8 row and column blocks
+SHARDED = {
+    "awq-g64": lambda root: make_packed_checkpoint("llama", root, "awq", "awq-g64", dict(group_size=64)),
+    "fp8-block32": lambda root: make_packed_checkpoint("llama", root, "fp8", "fp8-b32", dict(block=(32, 32))),
+}
 # experts split by their intermediate features, each rank's slice kept quantized
 CASES["ct-w8a16-channel-qwen3_moe"] = lambda root: make_ct_moe_checkpoint(
     "qwen3_moe", root, W8_CHANNEL, "moe-w8", moe_intermediate_size=128, head_dim=32)
@@ -51,7 +56,7 @@ def checkpoints(tmp_path_factory):
 
     def get(case: str) -> str:
         if case not in cache:
-            cache[case] = CASES[case](root)[1]
+            cache[case] = {**CASES, **SHARDED}[case](root)[1]
         return cache[case]
 
     return get
@@ -65,7 +70,7 @@ def _expected(full: torch.Tensor, meta_module) -> torch.Tensor:
     return torch.cat([full[o + s.start:o + s.stop] for o, s in zip(meta_module.full_offsets, meta_module.shards)])
 
 
-@pytest.mark.parametrize("case", DENSE)
+@pytest.mark.parametrize("case", DENSE + list(SHARDED))
 def test_each_rank_holds_its_shard_quantized(checkpoints, case):
     """Every projection of every rank a QuantLinear whose dequantised weight is exactly its slice of TP=1's; the
     memory plan's per-GPU weights are the largest rank's bytes as loaded."""
@@ -131,11 +136,18 @@ def test_moe_experts_keep_their_intermediate_slice_quantized(checkpoints):
             assert torch.equal(got2, w2[:, :, a:b])
 
 
-def test_a_split_that_cuts_a_group_is_refused(tmp_path):
-    """W4A16 in groups of 128 on 2 ranks: down_proj's 384 input columns split 192 a rank, not whole groups."""
-    _, path = make_ct_checkpoint("llama", tmp_path, "W4A16", "w4a16-g128")
-    with pytest.raises(ConfigError, match="tensor_parallel_size.*down_proj.*group size 128"):
+UNSPLITTABLE = {  # down_proj's 384 input columns split 192 a rank: not whole groups (blocks) of 128
+    "ct-w4a16-g128": (lambda root: make_ct_checkpoint("llama", root, "W4A16", "w4a16-g128"), "group size 128"),
+    "fp8-block128": (lambda root: make_packed_checkpoint("llama", root, "fp8", "fp8-b128"), r"block \(128, 128\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSPLITTABLE))
+def test_a_split_that_cuts_a_group_or_block_is_refused(tmp_path, case):
+    make, what = UNSPLITTABLE[case]
+    _, path = make(tmp_path)
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size.*down_proj.*{what}"):
         load_model(path, torch.float32, torch.device("cpu"), MAX_LEN, tp=RankShape(1, 2))
-    with pytest.raises(ConfigError, match="tensor_parallel_size.*down_proj.*group size 128"):
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size.*{what}"):  # the first layer it cuts
         plan(path, EngineConfig(model=path, dtype="float32", device="cpu", max_model_len=MAX_LEN,
                                 kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2))
