@@ -129,10 +129,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     # which leading-dim rows (or [expert, row] pairs) of each parameter the checkpoint has filled
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
     # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError),
-    # read whole and cut to this rank's shard (models/quant/shard.py); under tensor parallelism an unquantized
-    # checkpoint's tensor comes as a lazy slice: only the rows a rank holds are read
+    # read whole and cut to this rank's shard (models/quant/shard.py); under tensor parallelism any other tensor comes
+    # as a lazy slice: only the rows a rank holds are read
     tensors = _lazy_tensors(files) if tp is not None and quant is None else \
-        checkpoint_tensors(files, quant, ModelLoadError)
+        checkpoint_tensors(files, quant, ModelLoadError, lazy=tp is not None)
     quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # linear module -> its slices' (first row, weight)
     experts: dict[str, dict[tuple[int, str], QuantizedWeight]] = {}  # experts module -> (expert, gate/up/down) -> w
     for path, name, tensor in tensors:
