@@ -7,7 +7,8 @@ and act-order), else kept as several parts, each its own GEMM into its columns o
 kernels/dispatch.quant_linear per part (Triton's weight-only kernel on CUDA, the C++ weight-only GEMM on CPU over the
 weights re-laid out once at start by engine/worker/cpu.py, the reference dequantize + F.linear otherwise), then the LoRA
 deltas as LoRALinear adds them (after the base GEMM, on the PyTorch / C++ LoRA path: there is no packed float `dense`
-to fuse them into).
+to fuse them into). Under tensor parallelism it holds a rank's shard (a column-parallel layer's output rows, a
+row-parallel one's input columns, whose partial output it all-reduces as RowParallelLinear does).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from loom.kernels.dispatch import quant_linear_parts
 from loom.layers.linear import LoRALinear
+from loom.layers.parallel_linear import RowParallelLinear
 from loom.models.quant.weight import QuantizedWeight, dequantize
 
 
@@ -35,6 +37,8 @@ class QuantLinear(LoRALinear):
         self.lora_group = base.lora_group
         self.lora_shard = base.lora_shard
         self.dense = None  # the C++ layer pass and the fused LoRA epilogue take float panels only
+        # a row-parallel rank's shard (its input columns): its partial output summed over the ranks, as the base did
+        self.reduce = base.tp if isinstance(base, RowParallelLinear) else None
         self.parts = list(parts)
         stops = [start for start, _ in self.parts[1:]] + [self.slice_offsets[-1]]
         for (start, w), stop in zip(self.parts, stops):
@@ -45,6 +49,10 @@ class QuantLinear(LoRALinear):
     @property
     def out_features(self) -> int:
         return self.slice_offsets[-1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if self.reduce is None else self.reduce.all_reduce(y)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear_parts(x, self.parts, self.bias)
@@ -80,8 +88,9 @@ def concat_out(weights: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
     for w in weights:
         if (w.kind, w.bits, w.group_size, w.block, w.zero is None, w.shape[1], tuple(w.scale.shape[1:])) != key:
             return None
-        if (w.g_idx is None) != (first.g_idx is None) or (w.g_idx is not None and w is not first and (
+        if (w.g_idx is None) != (first.g_idx is None) or (w.g_idx is not None and w.g_idx is not first.g_idx and (
                 w.g_idx.is_meta or not torch.equal(w.g_idx, first.g_idx))):  # meta: act-orders taken as distinct
+            # (unless one tensor: the row slices of one fused checkpoint tensor under tensor parallelism)
             return None
     if first.block is not None and any(w.shape[0] % first.block[0] for w in weights[:-1]):
         return None

@@ -26,7 +26,8 @@ from loom.models.quant_layers import (
     keeps_quantized,
     kept_quantized,
     place_quant_linear,
-    quantized_slice,
+    quantized_parts,
+    rank_shard,
 )
 from loom.models.spec import ModelSpec
 
@@ -106,14 +107,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     # weight-only GEMM on CPU), else they are dequantised here. Kept: the float weights of the layers (and MoE
     # experts) the checkpoint stores wholly quantized are never allocated (they stay on the meta device until their
     # module is replaced by a QuantLinear / QuantExperts): the load's peak is the quantized model, not the float one.
-    keep_quantized = keeps_quantized(quant, tp, device, dtype)
+    keep_quantized = keeps_quantized(quant, device, dtype)
     stored = quantized_modules(files, quant) if keep_quantized else {}
     kept_linears, kept_experts = kept_quantized(model, stored)
     if quant is not None:
-        why = "tensor parallelism: a shard of packed rows is not read yet" if tp is not None else \
-            "no quantized kernel for this device and dtype, kernels/policy.py"
+        why = "no quantized kernel for this device and dtype, kernels/policy.py"
+        shard = f" (this rank's shard of each, of {tp.world_size} ranks)" if tp is not None else ""
         log.info("%s checkpoint: %s", type(quant).__name__,
-                 f"{len(kept_linears)} linear layers and {len(kept_experts)} MoE experts modules kept quantized"
+                 f"{len(kept_linears)} linear layers and {len(kept_experts)} MoE experts modules kept quantized{shard}"
                  if keep_quantized else f"its weights dequantised into {str(dtype)[6:]} at load ({why})")
     # Allocate once, on the target device in the target dtype (never a float32 copy first: that would be twice the
     # weights at the peak); the rope caches are rebuilt in float32.
@@ -127,10 +128,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     params = dict(model.named_parameters(remove_duplicate=False))
     # which leading-dim rows (or [expert, row] pairs) of each parameter the checkpoint has filled
     covered = {n: torch.zeros(p.shape[:max(1, p.dim() - 1)], dtype=torch.bool) for n, p in params.items()}
-    # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError);
-    # under tensor parallelism an unquantized tensor comes as a lazy slice: only the rows a rank holds are read
+    # a quantized module's weight comes as one QuantizedWeight (its tensors not fitting the format: ModelLoadError),
+    # read whole and cut to this rank's shard (models/quant/shard.py); under tensor parallelism any other tensor comes
+    # as a lazy slice: only the rows a rank holds are read
     tensors = _lazy_tensors(files) if tp is not None and quant is None else \
-        checkpoint_tensors(files, quant, ModelLoadError)
+        checkpoint_tensors(files, quant, ModelLoadError, lazy=tp is not None)
     quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}  # linear module -> its slices' (first row, weight)
     experts: dict[str, dict[tuple[int, str], QuantizedWeight]] = {}  # experts module -> (expert, gate/up/down) -> w
     for path, name, tensor in tensors:
@@ -141,14 +143,15 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
             raise ModelLoadError(f"{path}: tensor {name!r} has no place in {arch}")
         slot = expert_slot(name) if isinstance(tensor, QuantizedWeight) else None
         if slot is not None and slot[0] in kept_experts:  # the experts become a QuantExperts once all are read
-            experts.setdefault(slot[0], {})[slot[1:]] = tensor
+            (_, src), = pieces  # tensor parallelism: this rank's intermediate rows (gate, up) or columns (down)
+            experts.setdefault(slot[0], {})[slot[1:]] = rank_shard(tensor, src, name)
             for index, _ in pieces:
                 covered[target][index[:covered[target].dim()]] = True
             continue
         if isinstance(tensor, QuantizedWeight):
-            start = quantized_slice(model, target, pieces) if keep_quantized else None
-            if start is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
-                quantized.setdefault(target[: -len(".weight")], []).append((start, tensor))
+            parts = quantized_parts(model, target, pieces, tensor) if keep_quantized else None
+            if parts is not None:  # kept quantized: the module becomes a QuantLinear once all its slices are read
+                quantized.setdefault(target[: -len(".weight")], []).extend(parts)
                 for index, _ in pieces:
                     covered[target][index[:covered[target].dim()]] = True
                 continue

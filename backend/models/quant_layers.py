@@ -14,25 +14,32 @@ import re
 
 import torch
 
+from loom.errors import ConfigError
 from loom.kernels.policy import REFERENCE, decide
 from loom.layers.linear import ALL, LoRALinear
 from loom.layers.moe import Experts
+from loom.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from loom.layers.quant_experts import QuantExperts
 from loom.layers.quant_linear import QuantLinear, concat_out
 from loom.models.quant import QuantizedWeight, dequantize
+from loom.models.quant.shard import Unsplittable, take
 
 log = logging.getLogger("loom")
 
 MIXTRAL_BLOCK = re.compile(r"\.block_sparse_moe\.")
 EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the linear layers a QuantLinear replaces: single-device, and a tensor-parallel rank's column / row shard (not the
+# vocab-parallel lm_head, which quantizers leave in float)
+HOLDS = (LoRALinear, ColumnParallelLinear, RowParallelLinear)
 
 
-def keeps_quantized(quant, tp, device, dtype: torch.dtype) -> bool:
+def keeps_quantized(quant, device, dtype: torch.dtype) -> bool:
     """Whether a quantized checkpoint's linear weights stay quantized (QuantLinear) or are dequantised into `dtype` at
-    load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU), not
-    under tensor parallelism (a shard of packed rows is not read yet)."""
-    return quant is not None and tp is None and decide(device, dtype).quant != REFERENCE
+    load: kept where a kernel takes them (kernels/policy.py: Triton on CUDA, the C++ weight-only GEMM on CPU); under
+    tensor parallelism each rank keeps its shard quantized (models/quant/shard.py; a layout a rank cannot split is
+    refused, `rank_shard`)."""
+    return quant is not None and decide(device, dtype).quant != REFERENCE
 
 
 def expert_checkpoint_names(arch: str, experts_name: str, expert: int) -> dict[str, str]:
@@ -62,7 +69,7 @@ def kept_quantized(model, stored: dict) -> tuple[list[str], list[str]]:
     arch = model.spec.arch
     linears, experts = [], []
     for name, module in model.named_modules():
-        if type(module) is LoRALinear and all(n in stored for n, _, _ in checkpoint_slices(arch, name, module)):
+        if type(module) in HOLDS and all(n in stored for n, _, _ in checkpoint_slices(arch, name, module)):
             linears.append(name)
         elif type(module) is Experts:
             names = [n for e in range(module.num_experts) for n in expert_checkpoint_names(arch, name, e).values()]
@@ -101,16 +108,55 @@ def checkpoint_slices(arch: str, module_name: str, module) -> list[tuple[str, in
     return [(module_name, 0, offsets[-1])]
 
 
-def quantized_slice(model, target: str, pieces: list) -> int | None:
-    """The first output row of a quantized checkpoint tensor in a LoRALinear's weight (a slice of a fused one, or the
-    whole), if the layer can hold it quantized (not tensor-parallel: a shard of packed rows is not read yet)."""
-    if not target.endswith(".weight") or len(pieces) != 1 or pieces[0][1] != ALL:
+def layout_parts(arch: str, module_name: str, module, quant, dtype: torch.dtype) -> list | None:
+    """The memory plan's (first output row, meta QuantizedWeight) parts of a linear layer, as the loader builds them:
+    each checkpoint tensor's layout at its full shape (`quant.layout`), cut to the pieces this layer (a rank's shard)
+    holds; None if the checkpoint stores some of its slices unquantized (the layer is dequantised at load)."""
+    if not all(quant.quantizes(n) for n, _, _ in checkpoint_slices(arch, module_name, module)):
         return None
-    module = model.get_submodule(target[: -len(".weight")])
-    if type(module) is not LoRALinear:
+    column = isinstance(module, ColumnParallelLinear)
+    inp = module.shard.full if isinstance(module, RowParallelLinear) else module.in_features
+    pre, _, proj = module_name.rpartition(".")
+    if proj in FUSED and arch != "Phi3ForCausalLM":  # one checkpoint tensor per slice
+        tensors = [(f"{pre}.{n}", module.shards[i].full if column else module.output_sizes[i], i)
+                   for i, n in enumerate(FUSED[proj])]
+    else:
+        tensors = [(module_name, module.full_offsets[-1] if column else module.slice_offsets[-1], None)]
+    parts = []
+    for name, out, i in tensors:
+        qw = quant.layout(name, (out, inp), dtype)
+        for index, src in module.checkpoint_pieces("weight", i):
+            parts.append((0 if index == ALL else index[0].start, rank_shard(qw, src, module_name)))
+    return parts
+
+
+def quantized_parts(model, target: str, pieces: list, qw: QuantizedWeight
+                    ) -> list[tuple[int, QuantizedWeight]] | None:
+    """(first output row in the layer's weight, this rank's part of `qw`) for each piece of a quantized checkpoint
+    tensor a linear layer holds (a slice of a fused one, the whole, or a tensor-parallel rank's rows or columns), if
+    the layer can hold it quantized; a part a rank cannot split: ConfigError (`rank_shard`)."""
+    if not target.endswith(".weight") or any(src is None for _, src in pieces):
         return None
-    index = pieces[0][0]
-    return 0 if index == ALL else index[0].start
+    module_name = target[: -len(".weight")]
+    if type(model.get_submodule(module_name)) not in HOLDS:
+        return None
+    return [(0 if index == ALL else index[0].start, rank_shard(qw, src, module_name)) for index, src in pieces]
+
+
+def rank_shard(qw: QuantizedWeight, src: tuple, where: str) -> QuantizedWeight:
+    """The part of a quantized weight a checkpoint index selects (models/quant/shard.py); where a rank's range cuts a
+    packed word, a group or a block, a ConfigError naming tensor_parallel_size (vLLM refuses these too)."""
+    if src == ALL:
+        return qw
+    try:
+        return take(qw, src)
+    except Unsplittable as e:
+        kind = "fp8" if qw.kind == "fp8" else f"int{qw.bits}"
+        unit = f"group size {qw.group_size}" if qw.group_size else f"block {qw.block}" if qw.block else \
+            f"{32 // qw.bits} columns a packed word"
+        raise ConfigError("tensor_parallel_size", f"{where}: {e}: its quantized weight ({kind}, {unit}) cannot be "
+                          "split across the ranks; use a tensor_parallel_size whose shards hold whole groups / "
+                          "blocks (or a checkpoint quantized in smaller ones)") from None
 
 
 def place_quant_linear(model, params: dict, module_name: str, parts: list, device) -> None:

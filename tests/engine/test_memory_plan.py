@@ -1,7 +1,7 @@
 """The memory plan (loom.engine.worker.memory_plan, scripts/plan_memory.py) from config.json alone agrees with what
 the engine allocates: the model's bytes as loaded (float32, bfloat16, a W4A16 checkpoint kept quantized, each rank
-of TP=2) and the KV cache tensor; the model's bytes also against the checkpoint's own tensors (safetensors headers)
-and a published parameter count."""
+of TP=2, float or quantized) and the KV cache tensor; the model's bytes also against the checkpoint's own tensors
+(safetensors headers) and a published parameter count."""
 from __future__ import annotations
 
 import json
@@ -133,6 +133,25 @@ def test_plan_per_rank_at_tensor_parallel_2(tmp_path):
     assert per_token[0] != per_token[1] and weights[0] != weights[1]
     assert (p.weight_bytes, p.kv_bytes_per_token) == (max(weights), max(per_token))
     assert p.kv_tokens == KV_BYTES // (max(per_token) * 16) * 16
+
+
+def test_plan_per_rank_of_a_quantized_checkpoint_at_tensor_parallel_2(tmp_path):
+    """W4A16 asymmetric (zero points packed along the output dim) over 2 ranks: each rank keeps its shard quantized,
+    and the plan's weights are the largest rank's as loaded (intermediate 512: down_proj's 256 columns a rank are
+    whole groups of 128)."""
+    pytest.importorskip("compressed_tensors")
+    from harness.quant_checkpoints import make_ct_checkpoint
+
+    _, path = make_ct_checkpoint("llama", tmp_path, "W4A16_ASYM", "w4a16", intermediate_size=512)
+    p = plan(path, EngineConfig(model=path, dtype="float32", device="cpu", max_model_len=MAX_LEN,
+                                kv_cache_memory_bytes=KV_BYTES, tensor_parallel_size=2))
+    weights = []
+    for rank in range(2):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), MAX_LEN, tp=RankShape(rank, 2))
+        assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * 2
+        weights.append(model_bytes(model))
+    assert "kept quantized" in p.quantization and p.weight_bytes == max(weights)
+    assert p.weight_bytes < checkpoint_bytes(path, torch.float32)  # about half of TP=1's
 
 
 MIXTRAL_8X7B = {  # config.json of mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters (its model card: 46.7B)

@@ -11,6 +11,7 @@ from loom.kernels import dispatch
 from loom.kernels.cpu_linear import PackedWeight
 from loom.kernels.cpu_quant import PackedQuantWeight, quant_linear_ref, takes
 from loom.models.quant import dequantize
+from loom.models.quant.shard import take_cols, take_rows
 
 pytestmark = pytest.mark.usefixtures("cpu_build")  # every test once per C++ build (conftest.py)
 
@@ -110,6 +111,21 @@ def test_dispatch_runs_the_kernel_and_the_reference():
     assert torch.equal(dispatch.quant_linear(x, qw), ref)  # a QuantizedWeight not re-laid out: the reference
     want, bound = float64_bound(x, dequantize(qw), None)
     assert bool(((packed(x).double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("name", ["int8-g128-act-order-asym", "int4-g32-act-order-asym", "int4-g128-asym"])
+def test_a_tensor_parallel_shard(name):
+    """A rank's output rows and input columns (models/quant/shard.py): exactly its slice of the dequantised weight;
+    the kernel (where it takes the shard: an act-order int4 shard's groups may have odd lengths on this rank) within
+    float32's bound of it."""
+    qw = weight(name)
+    shard = take_rows(take_cols(qw, 128, 384), 40, 152)
+    assert torch.equal(dequantize(shard), dequantize(qw)[40:152, 128:384])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    want, bound = float64_bound(x, dequantize(shard), None)
+    y = PackedQuantWeight(shard)(x, None) if takes(shard) else dispatch.quant_linear(x, shard, None)
+    assert bool(((y.double() - want).abs() <= bound).all())
+    assert takes(shard) or name.startswith("int4-g32-act-order")
 
 
 def test_odd_k_int4_is_not_taken():

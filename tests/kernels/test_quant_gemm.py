@@ -29,6 +29,7 @@ from loom.kernels.fp8_gemm import (
     quantize_activation_fp8_triton,
 )
 from loom.kernels.quant_gemm import quant_gemm_ref, quant_gemm_triton
+from loom.models.quant.shard import take_cols, take_rows
 from loom.models.quant.weight import QuantizedWeight
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # interpreter-internal numpy warning
@@ -138,6 +139,19 @@ def test_int_gemm(case, dtype, seed):
         quant_gemm_triton(x, qw, b, out=out, tiles=tiles)
     ref = quant_gemm_ref(x, qw, b, out_dtype=torch.float32)
     kcases.assert_close(out.float(), ref, dtype, f"quant_gemm {case}")
+
+
+@pytest.mark.parametrize("dtype", kernel_dtypes(), ids=lambda d: str(d).split(".")[-1])
+def test_int_gemm_on_a_tensor_parallel_shard_of_an_act_order_weight(dtype):
+    """A rank's output rows and input columns of an act-order weight (models/quant/shard.py): its columns' own g_idx
+    entries over every group's scales, some groups not read at all, some partly."""
+    qw = int_weight(float_weight(72, 296), bits=4, group_size=32, sym=False, desc_act=True, seed=9)
+    qw = on_device(take_rows(take_cols(qw, 96, 296), 8, 72))
+    x, b, out = _inputs(5, 200, 64, dtype, True, 9)
+    with gpu_numerics(dtype):
+        quant_gemm_triton(x, qw, b, out=out)
+    ref = quant_gemm_ref(x, qw, b, out_dtype=torch.float32)
+    kcases.assert_close(out.float(), ref, dtype, "quant_gemm on a shard")
 
 
 @pytest.mark.parametrize("w8a8", [False, True], ids=["a16", "w8a8"])

@@ -125,18 +125,20 @@ def test_expert_lora_on_quantized_experts(tmp_path):
     llm.close()
 
 
-def test_tensor_parallel_dequantises_at_load_and_the_plan_says_so(tmp_path):
-    """Under tensor parallelism a shard of packed rows is not read yet: each rank's slice of the dequantised weights
-    (experts included), which the plan counts per rank."""
+def test_tensor_parallel_keeps_each_ranks_shard_quantized_and_the_plan_counts_it(tmp_path):
+    """Under tensor parallelism each rank keeps its shard quantized (its experts' intermediate slice, its attention
+    rows and columns; groups of 64 so that each rank's 64 intermediate columns are whole groups), which the plan
+    counts per rank. tests/distributed/test_tp_quantized.py checks the shards' values and the tokens."""
     from loom.engine.worker.memory_plan import RankShape, model_bytes
     from loom.models.loader import load_model
 
-    _, path = _make(tmp_path, "ct-w4a16-g128", "mixtral", ("ct", "W4A16", None))
+    w4_g64 = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "symmetric": True}}
+    _, path = _make(tmp_path, "ct-w4a16-g64", "mixtral", ("ct", w4_g64, None))
     p = plan(path, EngineConfig(model=path, dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2))
-    assert "dequantised" in p.quantization
+    assert "kept quantized" in p.quantization
     sizes = []
     for rank in range(2):
         model, _ = load_model(path, torch.float32, torch.device("cpu"), 64, tp=RankShape(rank, 2))
-        assert not any(isinstance(m, (QuantExperts, QuantLinear)) for m in model.modules())
+        assert all(isinstance(layer.mlp.experts, QuantExperts) for layer in model.model.layers)
         sizes.append(model_bytes(model))
     assert p.weight_bytes == max(sizes)

@@ -114,7 +114,7 @@ def plan(model_dir: str, config, gpu_memory_bytes: int = 0, kv_tokens: int = 0, 
         model = build_meta_model(cfg, max_len, RankShape(rank, n) if n > 1 else None, dtype)
         spec = model.spec
         if spec.quant is not None:
-            keep = keeps_quantized(spec.quant, None if n == 1 else RankShape(rank, n), device, dtype)
+            keep = keeps_quantized(spec.quant, device, dtype)
             name = next(k for k, v in METHODS.items() if isinstance(spec.quant, v))
             quant = f"{name}, " + ("kept quantized" if keep else f"dequantised into {str(dtype)[6:]} at load")
             if keep:
@@ -146,29 +146,31 @@ def quantize_meta(model, quant, checkpoint_dtype: torch.dtype) -> None:
     """Each linear layer (and MoE experts module) the checkpoint stores quantized made a QuantLinear (QuantExperts)
     over meta weights of the format's layout, by the loader's own install_quant_linear / install_quant_experts: a
     layer only some of whose weights are quantized is dequantised at load, as the loader does."""
-    from loom.layers.linear import LoRALinear
     from loom.layers.moe import Experts
     from loom.models.quant_layers import (
-        checkpoint_slices,
+        HOLDS,
         expert_checkpoint_names,
         install_quant_experts,
         install_quant_linear,
+        layout_parts,
+        rank_shard,
     )
 
     arch = model.spec.arch
     for name, module in list(model.named_modules()):
-        if type(module) is LoRALinear:
-            slices = checkpoint_slices(arch, name, module)
-            if all(quant.quantizes(n) for n, _, _ in slices):
-                parts = [(start, quant.layout(n, (rows, module.in_features), checkpoint_dtype))
-                         for n, start, rows in slices]
+        if type(module) in HOLDS:  # a tensor-parallel rank's layer: its shard of each full layout, as the loader cuts
+            parts = layout_parts(arch, name, module, quant, checkpoint_dtype)
+            if parts is not None:
                 install_quant_linear(model, name, parts, "meta")
         elif type(module) is Experts:
-            hidden, inter = module.down_proj.shape[1], module.intermediate_size
+            hidden, inter = module.down_proj.shape[1], module.full_intermediate
             shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+            pieces = {"gate": module.checkpoint_pieces("gate_up_proj", 0, 0),
+                      "up": module.checkpoint_pieces("gate_up_proj", 0, 1),
+                      "down": module.checkpoint_pieces("down_proj", 0)}
             names = {e: expert_checkpoint_names(arch, name, e) for e in range(module.num_experts)}
             if all(quant.quantizes(n) for by_part in names.values() for n in by_part.values()):
-                slots = {(e, part): quant.layout(n, shapes[part], checkpoint_dtype)
+                slots = {(e, part): rank_shard(quant.layout(n, shapes[part], checkpoint_dtype), pieces[part][0][1], n)
                          for e, by_part in names.items() for part, n in by_part.items()}
                 install_quant_experts(model, name, slots, "meta")
 

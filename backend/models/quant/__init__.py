@@ -1,6 +1,6 @@
 """Quantized checkpoints: one reader per format (compressed-tensors, GPTQ, AWQ, HF fine-grained FP8), each producing
-the common QuantizedWeight, and one reference `dequantize`. The loader dequantises each quantized linear weight into
-the model's compute dtype at load time."""
+the common QuantizedWeight, and one reference `dequantize`; `shard` cuts a tensor-parallel rank's part of one. The
+loader keeps them quantized where a kernel takes them (models/quant_layers.py), else dequantises them at load."""
 from loom.models.quant.base import QuantMethod
 from loom.models.quant.checkpoint import checkpoint_tensors, quantized_modules
 from loom.models.quant.config import METHODS, parse_quant_config

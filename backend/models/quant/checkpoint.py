@@ -30,9 +30,10 @@ def quantized_modules(files: list[str], method: QuantMethod) -> dict[str, set[st
     return out
 
 
-def checkpoint_tensors(files: list[str], method: QuantMethod | None, error: type[Exception] = ValueError
-                       ) -> Iterator[tuple[str, str, torch.Tensor | QuantizedWeight]]:
-    """`error`: what a module whose tensors do not fit its format raises (the loader's ModelLoadError)."""
+def checkpoint_tensors(files: list[str], method: QuantMethod | None, error: type[Exception] = ValueError,
+                       lazy: bool = False) -> Iterator[tuple[str, str, torch.Tensor | QuantizedWeight]]:
+    """`error`: what a module whose tensors do not fit its format raises (the loader's ModelLoadError). lazy (tensor
+    parallelism): plain tensors come as safetensors slices, of which indexing reads only the rows a rank holds."""
     names = {}
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -45,7 +46,7 @@ def checkpoint_tensors(files: list[str], method: QuantMethod | None, error: type
             for name in names[path]:
                 module, _, suffix = name.rpartition(".")
                 if module not in expected or suffix not in method.components:
-                    yield path, name, f.get_tensor(name)
+                    yield path, name, f.get_slice(name) if lazy else f.get_tensor(name)
                     continue
                 parts = pending.setdefault(module, {})
                 parts[suffix] = f.get_tensor(name)

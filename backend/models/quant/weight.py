@@ -11,7 +11,8 @@ a quantized GEMM kernel can take it as is:
 
 `scale` is [rows, cols]: rows is out (per output channel), 1 (one scale for every row), or ceil(out / block[0])
 (block-wise); cols is the number of groups along the input dimension (1: per channel or per tensor). The scale column
-of input column j is `g_idx[j]` when given (GPTQ act-order), else j // group_size, else j // block[1], else 0.
+of input column j is `g_idx[j]` when given (GPTQ act-order; a tensor-parallel shard keeps every scale column), else
+j // group_size, else j // block[1], else 0.
 """
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ class QuantizedWeight:
         else:
             if rows not in (out, 1):
                 raise ValueError(f"scale has {rows} rows for {out} output features")
-            groups = int(self.g_idx.max()) + 1 if self.g_idx is not None else \
+            # (a meta g_idx, the memory plan's: its values unknown, every scale column taken as used)
+            groups = (cols if self.g_idx.is_meta else int(self.g_idx.max()) + 1) if self.g_idx is not None else \
                 -(-inp // self.group_size) if self.group_size else 1
-            if cols != groups or (self.g_idx is not None and tuple(self.g_idx.shape) != (inp,)):
+            # act-order: a tensor-parallel shard's columns need not reach the last group (models/quant/shard.py)
+            fits = cols >= groups if self.g_idx is not None else cols == groups
+            if not fits or (self.g_idx is not None and tuple(self.g_idx.shape) != (inp,)):
                 raise ValueError(f"scale has {cols} groups, expected {groups} for {inp} input features")
         if self.zero is not None and tuple(self.zero.shape) != tuple(self.scale.shape):
             raise ValueError(f"zero points have shape {tuple(self.zero.shape)}, scale {tuple(self.scale.shape)}")
