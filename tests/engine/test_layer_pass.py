@@ -66,7 +66,9 @@ def _llm(path: str, adapters: str, threads: int, dtype: str = "auto") -> LLM:
                max_num_batched_tokens=32, kv_cache_memory_bytes=2 << 20, cpu_threads=threads, dtype=dtype)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# every family on two threads (the work split between them); one thread for a dense and a MoE family (~10 s a case)
+@pytest.mark.parametrize("family,threads", [(f, 2) for f in sorted(TAKEN)] + [("llama", 1), ("mixtral", 1)],
+                         indirect=["family"])
 def test_layer_pass_gives_the_python_layers_bits(family, threads, monkeypatch):
     name, path, adapters = family
     calls = []
