@@ -1,7 +1,7 @@
 """A Llama-class or Gemma decoder layer in one C++ call on CPU (kernels/csrc/layer.cpp): the kernels the Python layer
 path calls one by one (RMS norms, packed GEMMs or weight-only quantized ones with their LoRA, rope, KV store, paged
-attention, the gated activation), with the same arguments in the same order, so the same bits, without ~115 us of Python a layer around
-them.
+attention, the gated activation), with the same arguments in the same order, so the same bits, without ~115 us of
+Python a layer around them.
 
 `LayerArgs` holds one layer's weights, caches and pools as the C++ side reads them (made once, again when a pointer
 changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Whether an engine
@@ -16,9 +16,9 @@ import torch
 
 from loom.kernels import cpu_ext, cpu_lora
 from loom.kernels.cpu_linear import PackedBf16, PackedWeight, row_block
-from loom.kernels.cpu_quant import PackedQuantBase, PackedQuantWeight
-from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
 from loom.kernels.cpu_paged_attention import PREFILL_TILE, attention_options
+from loom.kernels.cpu_quant import PackedQuantWeight
+from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
 from loom.kernels.kv_layout import block_size_of
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -1,10 +1,11 @@
-"""The CPU layer pass over a quantized checkpoint's linear layers (kernels/csrc/layer.cpp's quant_linear: the weight-only
-GEMMs the Python QuantLinear calls, then its LoRA pass) gives the bits of the Python layer path: hidden states and
-greedy tokens bitwise equal through single decodes, chunked mixed batches, a prefix-cache hit and LoRA adapters (all
-projections, q/v only, mixed with base rows), for int8 per channel, int4 groups of 128 symmetric and asymmetric, int4
-per channel asymmetric, GPTQ act-order (desc_act) groups of 32 (a linear of several parts and a bias) and FP8 blocks; float32 and bfloat16 activations,
-the bfloat16 ones on each kernel a bfloat16 engine may run: VDPBF16PS (where the CPU has avx512_bf16), its emulated
-build, and the float32 kernel on widened rows (every CPU: the latter two run on any x86 host)."""
+"""The CPU layer pass over a quantized checkpoint's linear layers (kernels/csrc/layer.cpp's quant_linear: the
+weight-only GEMMs the Python QuantLinear calls, then its LoRA pass) gives the bits of the Python layer path: hidden
+states and greedy tokens bitwise equal through single decodes, chunked mixed batches, a prefix-cache hit and LoRA
+adapters (all projections, q/v only, mixed with base rows), for int8 per channel, int4 groups of 128 symmetric and
+asymmetric, int4 per channel asymmetric, GPTQ act-order (desc_act) groups of 32 (a linear of several parts and a bias)
+and FP8 blocks; float32 and bfloat16 activations, the bfloat16 ones on each kernel a bfloat16 engine may run:
+VDPBF16PS (where the CPU has avx512_bf16), its emulated build, and the float32 kernel on widened rows (the latter two
+run on any x86 host)."""
 from __future__ import annotations
 
 import pytest
