@@ -36,7 +36,7 @@ log = logging.getLogger("loom")
 # The C++ sources, compiled as one translation unit in this order (common.h first: includes and vector helpers).
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE_FILES = ("common.h", "attention.cpp", "lora.cpp", "gemm.cpp", "gemm_bf16.cpp", "pointwise.cpp", "argmax.cpp",
-                 "moe.cpp", "layer.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp")
+                 "moe.cpp", "quant_gemm.cpp", "quant_gemm_bf16.cpp", "layer.cpp")
 
 
 def _expand(text: str) -> str:

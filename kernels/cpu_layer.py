@@ -1,7 +1,7 @@
 """A Llama-class or Gemma decoder layer in one C++ call on CPU (kernels/csrc/layer.cpp): the kernels the Python layer
-path calls one by one (RMS norms, packed GEMMs with their LoRA, rope, KV store, paged attention, the gated
-activation), with the same arguments in the same order, so the same bits, without ~115 us of Python a layer around
-them.
+path calls one by one (RMS norms, packed GEMMs or weight-only quantized ones with their LoRA, rope, KV store, paged
+attention, the gated activation), with the same arguments in the same order, so the same bits, without ~115 us of
+Python a layer around them.
 
 `LayerArgs` holds one layer's weights, caches and pools as the C++ side reads them (made once, again when a pointer
 changes); `StepArgs` what every layer of a step shares (batch, attention metadata, LoRA groups). Whether an engine
@@ -10,21 +10,28 @@ runs it is kernels/policy.py's decision (layer_pass), which layers take it model
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from loom.kernels import cpu_ext, cpu_lora
 from loom.kernels.cpu_linear import PackedBf16, PackedWeight, row_block
 from loom.kernels.cpu_paged_attention import PREFILL_TILE, attention_options
+from loom.kernels.cpu_quant import PackedQuantWeight
+from loom.kernels.cpu_quant_bf16 import PackedQuantBf16
 from loom.kernels.kv_layout import block_size_of
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+class _Quant(ctypes.Structure):
+    _fields_ = [("q", _P), ("col", _I64), ("N", _I64), ("kernel", _I64), ("kind", _I64), ("scale", _P), ("zero", _P),
+                ("zc", _F32), ("gb", _P), ("groups", _I64), ("perm", _P), ("kp", _I64)]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("panels", _P), ("N", _I64), ("bias", _P), ("lora_a", _P), ("lora_b", _P), ("dt", _I64), ("S", _I64),
-                ("R", _I64), ("ak", _I64), ("bn", _I64), ("offs", _P)]
+                ("R", _I64), ("ak", _I64), ("bn", _I64), ("offs", _P), ("parts", _P), ("nparts", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -56,6 +63,32 @@ def _of(dtype: torch.dtype, *tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or (t.is_cpu and t.dtype == dtype and t.is_contiguous()) for t in tensors)
 
 
+class QuantPart(NamedTuple):
+    """A quantized linear layer's weights (layers/quant_linear.QuantLinear's parts: (first output column, weight)
+    pairs) and its bias: the C++ layer runs the weight-only GEMMs its Python forward runs (PackedQuantWeight's; a
+    bfloat16 layer's PackedQuantBf16's too), each into its columns."""
+    parts: list
+    bias: Optional[torch.Tensor]
+
+    @property
+    def lib(self):
+        return self.parts[0][1].lib
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0][1].in_features
+
+
+def _takes(p, dtype: torch.dtype) -> bool:
+    """Whether the C++ layer of this activation dtype runs this linear: dense panels of its GEMM (a float32 bias), or
+    quantized weights whose kernels the Python layer would call for these activations."""
+    if isinstance(p, QuantPart):
+        kinds = (PackedQuantWeight,) if dtype == torch.float32 else (PackedQuantWeight, PackedQuantBf16)
+        return all(isinstance(w, kinds) and w.lib is p.lib for _, w in p.parts) and \
+            (p.bias is None or (p.bias.is_cpu and p.bias.dim() == 1))
+    return isinstance(p, PackedWeight if dtype == torch.float32 else PackedBf16) and _f32(p.bias)
+
+
 class LayerArgs:
     """One layer's tensors as loom_decoder_layer reads them (layer_args() makes it)."""
 
@@ -75,23 +108,25 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
                window: Optional[int], softcap: Optional[float], qk_norms: Optional[tuple] = None,
                rotary_dim: Optional[int] = None, output_norms: Optional[tuple] = None,
                gelu: bool = False) -> Optional[LayerArgs]:
-    """linears: (PackedWeight, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and down, or of
-    q|k|v and o only (a MoE layer: the call stops at the MLP's input, x_out);
+    """linears: (PackedWeight or QuantPart, lora_a or None, lora_b or None, slice_offsets) of q|k|v, o, gate|up and
+    down, or of q|k|v and o only (a MoE layer: the call stops at the MLP's input, x_out);
     norm_post: the norm before the MLP; qk_norms: (q weight, k weight, eps) of per-head norms before rope (Qwen3,
     Gemma 3); rotary_dim: the dims of each head rope turns (head_dim when None); output_norms: (attention output,
     MLP output) norm weights (Gemma); gelu: the MLP's activation is GELU-tanh, not SiLU. Norm weights as the kernel
     multiplies by (Gemma's 1 + w already added). None when a tensor is not what the kernels read (the layer then
     runs its Python path).
 
-    bfloat16: every linear a PackedBf16 (loom's bfloat16 GEMM), the caches bfloat16, the norm weights all bfloat16
-    or all float32; each linear's LoRA runs after its GEMM on the bfloat16 output (lora.cpp run_pass_bf16)."""
+    bfloat16 (the caches' dtype): every linear a PackedBf16 (loom's bfloat16 GEMM) or a QuantPart, the norm weights
+    all bfloat16 or all float32; each linear's LoRA runs after its GEMM on the bfloat16 output (lora.cpp
+    run_pass_bf16)."""
     if not all(a is None or cpu_ext.adapter_type(a, b) is not None for _, a, b, _ in linears):
         return None
-    if all(isinstance(p, PackedBf16) for p, *_ in linears):
+    dtype = k_cache.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not all(_takes(p, dtype) for p, *_ in linears):
+        return None
+    if dtype == torch.bfloat16:
         return _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache,
                                 scale, window, softcap, qk_norms, rotary_dim, output_norms, gelu)
-    if not all(isinstance(p, PackedWeight) and _f32(p.bias) for p, *_ in linears):
-        return None
     lib = linears[0][0].lib
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
     post_attn, post_ff = output_norms or (None, None)
@@ -114,27 +149,50 @@ def layer_args(linears, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: flo
 
 
 def _linear_structs(linears, keep: list) -> list:
-    """The linears as the C++ layer reads them: panels, bias, LoRA pools and slice offsets (added to keep)."""
+    """The linears as the C++ layer reads them: panels (or a quantized weight), bias, LoRA pools and slice offsets
+    (added to keep)."""
     structs = []
     for p, a, b, offs in linears:
         o = cpu_lora.offsets_tensor(tuple(offs))
         keep.append(o)
-        structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), _ptr(a), _ptr(b),
-                               0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
-                               0 if a is None else a.shape[1], 0 if a is None else a.stride(1),
-                               0 if b is None else b.stride(0), o.data_ptr()))
+        lora = (_ptr(a), _ptr(b), 0 if a is None else cpu_ext.ADAPTER_TYPES[a.dtype], 0 if a is None else a.shape[0],
+                0 if a is None else a.shape[1], 0 if a is None else a.stride(1), 0 if b is None else b.stride(0),
+                o.data_ptr())
+        if isinstance(p, QuantPart):
+            structs.append(_quant_struct(p, lora, keep))
+        else:
+            structs.append(_Linear(p.panels.data_ptr(), p.out_features, _ptr(p.bias), *lora, None, 0))
     return structs
+
+
+def _quant_struct(p: QuantPart, lora: tuple, keep: list) -> _Linear:
+    """A quantized linear: each part's packed bytes, scales, zero points and groups as its kernel's Python call passes
+    them; the bias widened once here (the Python call widens it each time: the same values)."""
+    parts = (_Quant * len(p.parts))()
+    for i, (col, w) in enumerate(p.parts):
+        perm = None if w.perm is None else w.perm.to(torch.int64).contiguous()
+        keep += [w, perm]
+        if isinstance(w, PackedQuantBf16):
+            kernel, kind, kp = 2 if w.emulate else 1, int(w.bits == 4), w.kp
+        else:
+            kernel, kind, kp = 0, w.kind, w.in_features
+        parts[i] = _Quant(w.q.data_ptr(), col, w.out_features, kernel, kind, w.scale.data_ptr(), _ptr(w.zero), w.zc,
+                          w.bounds.data_ptr(), w.groups, _ptr(perm), kp)
+    bias = None if p.bias is None else p.bias.detach().float().contiguous()
+    keep += [parts, bias]
+    N = p.parts[-1][0] + p.parts[-1][1].out_features
+    return _Linear(None, N, _ptr(bias), *lora, ctypes.addressof(parts), len(p.parts))
 
 
 def _bf16_layer_args(linears, norm_in, norm_post, eps, heads, kv_heads, head_dim, cos_sin, k_cache, v_cache, scale,
                      window, softcap, qk_norms, rotary_dim, output_norms, gelu) -> Optional[LayerArgs]:
-    """layer_args for a bfloat16 layer over loom's bfloat16 GEMM."""
+    """layer_args for a bfloat16 layer over loom's bfloat16 GEMM (and weight-only quantized ones)."""
     lib = linears[0][0].lib
     q_norm, k_norm, qk_eps = qk_norms or (None, None, 0.0)
     post_attn, post_ff = output_norms or (None, None)
     norms = (norm_in, norm_post, q_norm, k_norm, post_attn, post_ff)
     norm_f32 = norm_in.dtype == torch.float32
-    if any(p.lib is not lib or not _f32(p.bias) for p, *_ in linears) or not _f32(cos_sin) \
+    if any(p.lib is not lib for p, *_ in linears) or not _f32(cos_sin) \
             or not _of(torch.float32 if norm_f32 else torch.bfloat16, *norms) \
             or not _of(torch.bfloat16, k_cache, v_cache) or k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         return None

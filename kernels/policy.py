@@ -19,7 +19,9 @@
     layers/quant_experts.py): the C++ weight-only
     GEMM (int8 / int4 / FP8 dequantised in registers, float32 math) for float32 and bfloat16 models with the library
     built and an eager forward (a bfloat16 model's int8 / int4 linear layers on a CPU with avx512_bf16: the VDPBF16PS
-    one, kernels/cpu_quant_bf16.py); Triton's weight-only kernel where Triton runs; dequantize + F.linear otherwise.
+    one, kernels/cpu_quant_bf16.py), inside the one-call C++ layer where layer_pass is set (its other linears, lm_head
+    included, packed as the dense model's); Triton's weight-only kernel where Triton runs; dequantize + F.linear
+    otherwise.
 An engine decides once at its start (`decide`; model_runner logs `describe`); kernels/dispatch.py asks `for_tensor`
 at each call: the same decision for the device and dtype of the call's tensors (an engine's tensors get the engine's
 ops and argmax paths; a kernel test's, the default for them). Whether a C++ kernel takes a call's tensors (dtype,

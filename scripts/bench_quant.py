@@ -12,6 +12,9 @@ configuration's (`/ same-dtype dense`: W4A16-bf16 by bfloat16, W8A16-f32 by floa
 run float32 activations (`-f32`) and bfloat16 ones (`-bf16`: the other ops and lm_head, which stays unquantized, in
 bfloat16).
 
+A configuration with `/py` appended (W8A16-bf16/py) runs its decoder layers on the Python path (the one-call C++
+layer, models/layer_pass.py, off): the same kernels one by one, to measure what the layer pass takes off a step.
+
     python scripts/bench_quant.py                       # batch 1 and 32, 1 thread
     python scripts/bench_quant.py --threads 2 --batch 1 32 --rounds 5
 """
@@ -55,6 +58,7 @@ def decode_rate(engine, batch: int, args, seed: int) -> float:
 def same_dtype_dense(config: str) -> str:
     """The dense configuration whose activations a configuration shares: W4A16-bf16 -> bfloat16, W8A16-f32 -> float32
     (a dense one: itself)."""
+    config = config.removesuffix("/py")
     if config in ("float32", "bfloat16"):
         return config
     return {"f32": "float32", "bf16": "bfloat16"}[config.split("-")[1]]
@@ -88,11 +92,14 @@ def main() -> None:
             print(f"{scheme}: {paths[scheme]} ({time.perf_counter() - t:.1f}s)", flush=True)
     engines = {}
     for c in args.configs:
-        if c in ("float32", "bfloat16"):
-            engines[c] = make_engine(model, c, args)
+        name = c.removesuffix("/py")
+        if name in ("float32", "bfloat16"):
+            engines[c] = make_engine(model, name, args)
         else:
-            scheme, act = c.split("-")
+            scheme, act = name.split("-")
             engines[c] = make_engine(paths[scheme], {"f32": "float32", "bf16": "bfloat16"}[act], args)
+        if c.endswith("/py"):
+            engines[c].runner.model.model.layer_pass = None
     try:
         for e in engines.values():  # warm-up: the first steps of an engine build caches and page its memory in
             decode_rate(e, max(args.batch), args, seed=-1)

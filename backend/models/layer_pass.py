@@ -3,7 +3,8 @@
 The engine sets a LayerPass as the decoder's `layer_pass` where its kernel path says so (kernels/policy.py: the C++
 kernels, packed weights, an eager forward; engine/worker/cpu.py sets it). A layer
 takes it when it is a Llama-class or Gemma decoder layer (Llama, Mistral, Qwen2, Qwen3's per-head q/k norms, Phi-3's
-partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels read; in a MoE
+partial rotary, Gemma 2/3's norms around attention and MLP and GELU) whose tensors the C++ kernels read (each linear
+packed for the dense GEMM, or a quantized checkpoint's weight re-laid out for a weight-only one); in a MoE
 layer (Mixtral, Qwen3-MoE) the call stops at the MLP's input and the block runs after it. Every step the kernels
 would not take runs the Python path. Both give the same bits: the C++ layer calls the same kernels with the same
 arguments.
@@ -15,11 +16,13 @@ from typing import Optional
 import torch
 
 from loom.kernels import gelu_tanh_and_mul, silu_and_mul
-from loom.kernels.cpu_layer import LayerArgs, StepArgs, decoder_layer, layer_args
+from loom.kernels.cpu_layer import LayerArgs, QuantPart, StepArgs, decoder_layer, layer_args
+from loom.kernels.cpu_quant import PackedQuantBase
 from loom.layers.forward_context import get_forward_context
 from loom.layers.linear import LoRALinear
 from loom.layers.moe import SparseMoeBlock
 from loom.layers.norm import RMSNorm
+from loom.layers.quant_linear import QuantLinear
 from loom.models.gemma import GemmaDecoderLayer
 from loom.models.llama import MLP, LlamaDecoderLayer
 
@@ -45,7 +48,9 @@ def _norms(layer) -> tuple:
 def _eligible(layer) -> bool:
     if type(layer) not in (LlamaDecoderLayer, GemmaDecoderLayer):
         return False
-    if type(layer.self_attn.o_proj) is not LoRALinear:  # tensor-parallel: the C++ layer has no all-reduce
+    o_proj = layer.self_attn.o_proj
+    # tensor-parallel (a RowParallelLinear, or a QuantLinear holding a row-parallel shard): no all-reduce in C++
+    if type(o_proj) not in (LoRALinear, QuantLinear) or getattr(o_proj, "reduce", None) is not None:
         return False
     mlp = layer.mlp
     if not (type(mlp) is MLP and mlp.act_and_mul in (silu_and_mul, gelu_tanh_and_mul)
@@ -56,7 +61,17 @@ def _eligible(layer) -> bool:
         return False
     if attn.q_norm is not None and attn.q_norm.eps != attn.k_norm.eps:
         return False
-    return all(m.dense is not None for m in _linears(layer))
+    return all(_weight_of(m) is not None for m in _linears(layer))
+
+
+def _weight_of(m):
+    """What the C++ layer runs a linear with: its packed dense panels, or a QuantLinear's parts all re-laid out for a
+    C++ weight-only GEMM (a part left to the reference, a QuantizedWeight, runs the Python path)."""
+    if m.dense is not None:
+        return m.dense
+    if type(m) is QuantLinear and all(isinstance(w, PackedQuantBase) for _, w in m.parts):
+        return QuantPart(list(m.parts), m.bias)
+    return None
 
 
 def _weight(norm: Optional[RMSNorm]) -> Optional[torch.Tensor]:
@@ -80,7 +95,7 @@ def _layer_args(layer) -> Optional[LayerArgs]:
     attn, att = layer.self_attn, layer.self_attn.attn
     if att.k_cache is None or att.v_cache is None:
         return None
-    linears = [(m.dense, m.lora_a, m.lora_b, m.slice_offsets) for m in _linears(layer)]
+    linears = [(_weight_of(m), m.lora_a, m.lora_b, m.slice_offsets) for m in _linears(layer)]
     qk = None if attn.q_norm is None else (_weight(attn.q_norm), _weight(attn.k_norm), attn.q_norm.eps)
     n_in, n_attn, n_mlp, n_out = _norms(layer)
     return layer_args(linears, _weight(n_in), _weight(n_mlp), n_in.eps, attn.num_heads, attn.num_kv_heads,

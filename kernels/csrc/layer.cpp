@@ -12,12 +12,33 @@
 // Float32 or bfloat16 activations, caches and weights (act): bfloat16 runs the kernels' bfloat16 variants (16-bit
 // storage, float32 math) and loom's bfloat16 GEMM (gemm_bf16.cpp), as the Python path does where the policy picked that
 // GEMM, each linear's LoRA on its output (in its output tiles in decode).
+//
+// A linear whose weight a quantized checkpoint keeps quantized (layers/quant_linear.py) runs the weight-only GEMM its
+// Python layer runs (quant_gemm.cpp's float32-math kernel, or for bfloat16 activations quant_gemm_bf16.cpp's
+// VDPBF16PS one, native or emulated) on the rows that layer hands it (act-order gathered, padded, widened), then its
+// LoRA pass on the output, as the Python layer does (there is no fused LoRA epilogue for these kernels).
 
 namespace {
 
-// One packed linear layer (kernels/cpu_linear.py) and, when adapters may target it, its LoRA pools.
+// One weight-only quantized part of a linear (kernels/cpu_quant.py, cpu_quant_bf16.py): its columns [col, col + N)
+// of the output, as layers/quant_linear.py's parts.
+struct LoomQuant {
+  const uint8_t* q;       // the packed bytes
+  int64_t col, N;
+  int64_t kernel;         // 0: quant_gemm's; 1: loom_quant_gemm_bf16's (VDPBF16PS); 2: its emulation
+  int64_t kind;           // kernel 0: QU8, QU4 or QF8; 1, 2: 1 for int4 (else int8)
+  const float* scale;     // [P, G, panel width]
+  const float* zero;      // nullable: symmetric, every zero point zc
+  float zc;
+  const int32_t* gb;      // group bounds [G + 1]
+  int64_t groups;
+  const int64_t* perm;    // act-order: the input column of each packed k, or null
+  int64_t kp;             // the packed K (kernels 1, 2: K rounded up to the unit; x zero past K)
+};
+
+// One packed linear layer (kernels/cpu_linear.py) or quantized one, and, when adapters may target it, its LoRA pools.
 struct LoomLinear {
-  const void* panels;     // float32 panels (gemm.cpp) or bfloat16 ones (gemm_bf16.cpp)
+  const void* panels;     // float32 panels (gemm.cpp) or bfloat16 ones (gemm_bf16.cpp); null when quantized
   int64_t N;
   const float* bias;      // nullable
   const void* lora_a;     // [S, R, K] or null: no pools
@@ -26,6 +47,8 @@ struct LoomLinear {
   int64_t S, R;
   int64_t ak, bn;         // the pools' row strides (elements)
   const int64_t* offs;    // slice column offsets [S + 1]
+  const LoomQuant* parts;  // quantized: its parts in column order (else null)
+  int64_t nparts;
 
   Pools pools(int64_t K) const { return Pools{lora_a, lora_b, int(dt), S, R, K, N, ak, bn}; }
 };
@@ -103,9 +126,91 @@ Ahead rows_to_fetch(const LoomLinear& l, bool lora, const LoomStep& st, int64_t 
   return ah;
 }
 
-// fetch: the next linear's rows_to_fetch
+// A quantized part's input rows as its kernel reads them (PackedQuantBase._input_rows and the __call__s): columns in
+// the packed K order (act-order), zero past K up to kp, of the kernel's type X (widened from A where they differ); x
+// itself where that is what it already is.
+template <class X, class A>
+const X* quant_rows(const LoomQuant& p, const A* x, int64_t K, int64_t T) {
+  if (!p.perm && p.kp == K && std::is_same_v<A, X>) return reinterpret_cast<const X*>(x);
+  static thread_local std::vector<X> buf;
+  if (int64_t(buf.size()) < T * p.kp) buf.resize(T * p.kp);
+  for (int64_t t = 0; t < T; ++t) {
+    const A* row = x + t * K;
+    X* out = buf.data() + t * p.kp;
+    for (int64_t k = 0; k < K; ++k) {
+      const A v = row[p.perm ? p.perm[k] : k];
+      if constexpr (std::is_same_v<A, X>) out[k] = v;
+      else out[k] = to_f32(v);
+    }
+    for (int64_t k = K; k < p.kp; ++k) out[k] = X{};
+  }
+  return buf.data();
+}
+
+// y's columns of part p (row stride ldy) by quant_gemm (PackedQuantWeight's GEMM)
+template <class A>
+void part_f32(const LoomQuant& p, const A* x, int64_t K, int64_t T, int64_t mc, const float* bias, float* y,
+              int64_t ldy, int nt) {
+  quant_gemm(quant_rows<float>(p, x, K, T), p.kp, T, K, p.q, int(p.kind), p.scale, p.zero, p.zc, p.gb, p.groups, p.N,
+             bias, y + p.col, ldy, mc, nt);
+}
+
+// quant_linear_parts' bias after the parts' GEMMs (several parts): y + bias in y's type (bfloat16: the bias rounded
+// to it, the sum rounded, as torch adds bfloat16 tensors)
+void add_bias(float* y, const float* b, int64_t T, int64_t N) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) y[t * N + n] += b[n];
+}
+void add_bias(bf16_t* y, const float* b, int64_t T, int64_t N) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) y[t * N + n] = to_bf16(to_f32(y[t * N + n]) + to_f32(to_bf16(b[n])));
+}
+
+// float32: each part's PackedQuantWeight GEMM into its columns (quant_linear_parts), then loom_lora_apply's pass
+// (dispatch.lora_apply's on the Python path)
+void quant_linear(const LoomLinear& l, bool lora, const LoomStep& st, const float* x, int64_t K, int64_t mc,
+                  float* y) {
+  const bool one = l.nparts == 1;
+  for (int64_t i = 0; i < l.nparts; ++i) part_f32(l.parts[i], x, K, st.T, mc, one ? l.bias : nullptr, y, l.N,
+                                                  st.nthreads);
+  if (!one && l.bias) add_bias(y, l.bias, st.T, l.N);
+  if (lora && l.lora_a)
+    run_pass(LoraPass{x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
+                      LoraItems(st.seg, st.ranks, st.groups, st.nthreads)},
+             st.nthreads);
+}
+
+// bfloat16: each part's PackedQuantBf16 GEMM, or (no avx512_bf16, or a kind it does not take) PackedQuantWeight's on
+// widened rows with the output rounded, then the bfloat16 LoRA pass (lora_apply_cpu_bf16's)
+void quant_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t mc,
+                  bf16_t* y) {
+  const int64_t T = st.T;
+  const bool one = l.nparts == 1;
+  for (int64_t i = 0; i < l.nparts; ++i) {
+    const LoomQuant& p = l.parts[i];
+    const float* bias = one ? l.bias : nullptr;
+    if (p.kernel == 0) {
+      static thread_local std::vector<float> out;
+      if (int64_t(out.size()) < T * p.N) out.resize(T * p.N);
+      part_f32(LoomQuant{p.q, 0, p.N, 0, p.kind, p.scale, p.zero, p.zc, p.gb, p.groups, p.perm, p.kp}, x, K, T, mc,
+               bias, out.data(), p.N, st.nthreads);
+      for (int64_t t = 0; t < T; ++t) narrow(out.data() + t * p.N, y + t * l.N + p.col, p.N);
+    } else {
+      loom_quant_gemm_bf16(reinterpret_cast<const uint16_t*>(quant_rows<bf16_t>(p, x, K, T)), p.kp, T, p.kp, p.q,
+                           int(p.kind), p.scale, p.zero, p.zc, p.gb, p.groups, p.N, bias, y + p.col, l.N, 0,
+                           st.nthreads, int(p.kernel == 2));
+    }
+  }
+  if (!one && l.bias) add_bias(y, l.bias, T, l.N);
+  if (lora && l.lora_a)
+    run_pass_bf16(x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
+                  st.nthreads);
+}
+
+// fetch: the next linear's rows_to_fetch (a hint the quantized kernels do not take)
 void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const float* x, int64_t K, int64_t mc, float* y,
                   const Ahead& fetch) {
+  if (l.parts) return quant_linear(l, lora, st, x, K, mc, y);
   const Ahead* f = fetch.done() ? nullptr : &fetch;
   if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
     gemm_lora(x, K, st.T, static_cast<const float*>(l.panels), l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal,
@@ -118,8 +223,9 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
 // lora_apply_cpu_bf16: the same bits). A step whose groups are all under fuse_min tokens (decode) has each token's
 // delta added to the GEMM's output tiles as they are stored (Bf16LoraEpilogue); a prefill chunk's groups the pass after
 // the GEMM.
-void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t, bf16_t* y,
-                  const Ahead&) {
+void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t mc,
+                  bf16_t* y, const Ahead&) {
+  if (l.parts) return quant_linear(l, lora, st, x, K, mc, y);
   const auto* xa = reinterpret_cast<const uint16_t*>(x);
   const auto* panels = static_cast<const uint16_t*>(l.panels);
   if (!(lora && l.lora_a)) {
