@@ -25,7 +25,10 @@ constexpr int BF_MR = 8;
 // A decode step's LoRA in the bfloat16 GEMM (the C++ layer's linears): each adapter token's shrink first (coef), then
 // each output tile's rows get their deltas right after the tile stored them, while they are in L1, instead of a pass
 // over y after the GEMM. Bitwise run_pass_bf16 on the GEMM's output: the rounded output widened, expand_row's
-// arithmetic (expand_tile's, column for column), rounded once.
+// arithmetic (expand_tile's, column for column), rounded once. The rows come from memory in short strided streams the
+// hardware prefetcher does not follow, so they are asked for ahead: the shrink's next 8 rank rows while a block runs,
+// and the next panel's B lines of a tile's rows while the GEMM computes that tile (32 tokens on 32 rank-16 adapters,
+// all linears of the default model, one thread, bfloat16 pools, A/B in one process: 54.2 -> 38.8 ms, GEMMs alone 14.6).
 struct Bf16LoraEpilogue {
   Pools pools;
   const int64_t* offs;
@@ -50,30 +53,65 @@ struct Bf16LoraEpilogue {
     ld = p.S * rank_pad;
     coef.resize(M * ld);
     const int64_t K = p.K;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, G)))
+    const int nth = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, G)));
+#pragma omp parallel num_threads(nth)
     {
       std::unique_ptr<float[]> xw(new float[tile * K]), cf(new float[tile * ld]);
       const float* xr[LORA_MAX_TILE];
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t rk = ranks[g];
-        if (rk <= 0) continue;
-        for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += tile) {
-          const int64_t nt = std::min<int64_t>(tile, seg[g + 1] - t0);
-          for (int64_t i = 0; i < nt; ++i) {
-            widen(x + tok[t0 + i] * xs, xw.get() + i * K, K);
-            xr[i] = xw.get() + i * K;
-          }
-          with_type(p.dt, [&](auto tag) {
-            using T = decltype(tag);
+      // a thread's groups: those starting in its share of the tokens, in order, so that each block of rank rows asks
+      // for the next one's rows while it computes (rows_ahead: this group's rows after its first block, then the
+      // next group's first block)
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const int64_t lo = seg[0] + (seg[G] - seg[0]) * t / n, hi = seg[0] + (seg[G] - seg[0]) * (t + 1) / n;
+      const auto next_group = [&](int64_t g) {
+        for (++g; g < G && seg[g] < hi; ++g)
+          if (ranks[g] > 0) return g;
+        return int64_t(-1);
+      };
+      int64_t g = 0;
+      while (g < G && (seg[g] < lo || ranks[g] <= 0)) ++g;
+      for (; g >= 0 && g < G && seg[g] < hi; g = next_group(g)) {
+        const int64_t rk = ranks[g], gn = next_group(g);
+        with_type(p.dt, [&](auto tag) {
+          using T = decltype(tag);
+          const int64_t es = sizeof(T), first = std::min<int64_t>(rk, 8);
+          Ahead ah;
+          ah.add(p.a_rows<T>(0, rows[g] + first), (rk - first) * p.ak * es);
+          for (int64_t s = 1; s < p.S; ++s) ah.add(p.a_rows<T>(s, rows[g]), rk * p.ak * es);
+          if (gn >= 0) ah.add(p.a_rows<T>(0, rows[gn]), std::min<int64_t>(ranks[gn], 8) * p.ak * es);
+          for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += tile) {
+            const int64_t nt = std::min<int64_t>(tile, seg[g + 1] - t0);
+            for (int64_t i = 0; i < nt; ++i) {
+              widen(x + tok[t0 + i] * xs, xw.get() + i * K, K);
+              xr[i] = xw.get() + i * K;
+            }
             for (int64_t s = 0; s < p.S; ++s)
-              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.get() + s * rank_pad, ld);
-          });
-          for (int64_t i = 0; i < nt; ++i)
-            std::memcpy(coef.data() + tok[t0 + i] * ld, cf.get() + i * ld, ld * sizeof(float));
-        }
+              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.get() + s * rank_pad, ld,
+                          false, nullptr, 0, &ah);
+            for (int64_t i = 0; i < nt; ++i)
+              std::memcpy(coef.data() + tok[t0 + i] * ld, cf.get() + i * ld, ld * sizeof(float));
+          }
+        });
       }
     }
+  }
+
+  // the cache lines of B that apply(m, mr, c0, c1) reads (up to cap of them, to out): the GEMM's tile before asks for
+  // them while it computes
+  int64_t b_lines(int64_t m, int64_t mr, int64_t c0, int64_t c1, const char** out, int64_t cap) const {
+    int64_t n = 0;
+    const int64_t es = type_bytes(pools.dt);
+    for (int64_t t = m; t < m + mr; ++t) {
+      const int32_t g = group[t];
+      if (g < 0 || (t > m && g == group[t - 1])) continue;  // the row before's lines already
+      const char* b = static_cast<const char*>(pools.b) + rows[g] * pools.bn * es;
+      for (int64_t r = 0; r < ranks[g]; ++r) {
+        const uintptr_t p0 = reinterpret_cast<uintptr_t>(b + (r * pools.bn + c0) * es) & ~uintptr_t(63),
+                        p1 = reinterpret_cast<uintptr_t>(b + (r * pools.bn + c1) * es);
+        for (uintptr_t q = p0; q < p1 && n < cap; q += 64) out[n++] = reinterpret_cast<const char*>(q);
+      }
+    }
+    return n;
   }
 
   // rows [m, m + mr) of y, columns [c0, c1) (at most BF_NR), just stored by the GEMM: each adapter row's delta
@@ -110,7 +148,7 @@ LOOM_BF16_TARGET inline void bf_store16(uint16_t* p, __m512 v) {
 template <int R>
 LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t K, void* C,
                                      int64_t ldc, bool out_f32, int64_t nc, const float* bias, const char* pf,
-                                     int64_t pf_lines) {
+                                     int64_t pf_lines, const char* const* lines = nullptr, int64_t n_lines = 0) {
   __m512 c[R][3];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < 3; ++v) c[i][v] = _mm512_setzero_ps();
@@ -118,6 +156,10 @@ LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint1
   int64_t k2 = 0;
   for (; k2 < K2; ++k2) {
     if (k2 < pf_lines) _mm_prefetch(pf + 64 * k2, _MM_HINT_T1);  // a panel row of pairs is 3 lines: 1 of them a k2
+    if (2 * k2 < n_lines) {  // the epilogue's next B lines, two a k2
+      _mm_prefetch(lines[2 * k2], _MM_HINT_T1);
+      if (2 * k2 + 1 < n_lines) _mm_prefetch(lines[2 * k2 + 1], _MM_HINT_T1);
+    }
     const uint16_t* b = B + 2 * BF_NR * k2;
     const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b)),
                    b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 32)),
@@ -171,7 +213,7 @@ LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint1
 // panel p over rows [0, M): its row tiles, each prefetching a share of the next panel
 LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
                                int64_t p, const float* bias, void* C, int64_t ldc, bool out_f32,
-                               const Bf16LoraEpilogue* ep) {
+                               const Bf16LoraEpilogue* ep, bool next_ep) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, K2 = (K + 1) / 2, panel_lines = (K2 * BF_NR * 4 + 63) / 64;
   const int64_t tiles = (M + BF_MR - 1) / BF_MR, per_tile = (panel_lines + tiles - 1) / tiles;
   const uint16_t* B = Bp + p * K2 * BF_NR * 2;
@@ -184,15 +226,19 @@ LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_
     const uint16_t* a = A + m * lda;
     void* c = static_cast<char*>(C) + (m * ldc + p * BF_NR) * esz;
     const char* pf = next + 64 * lo;
+    // the epilogue's B lines for this tile's rows in the next panel (this thread's, next_ep)
+    const char* bl[512];
+    const int64_t nbl = next_ep ? ep->b_lines(m, std::min<int64_t>(BF_MR, M - m), (p + 1) * BF_NR,
+                                              std::min(N, (p + 2) * BF_NR), bl, 512) : 0;
     switch (std::min<int64_t>(BF_MR, M - m)) {
-      case 1: bf_tile<1>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 2: bf_tile<2>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 3: bf_tile<3>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 4: bf_tile<4>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 5: bf_tile<5>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 6: bf_tile<6>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 7: bf_tile<7>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      default: bf_tile<8>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
+      case 1: bf_tile<1>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 2: bf_tile<2>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 3: bf_tile<3>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 4: bf_tile<4>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 5: bf_tile<5>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 6: bf_tile<6>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      case 7: bf_tile<7>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
+      default: bf_tile<8>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, bl, nbl); break;
     }
     if (ep) ep->apply(static_cast<bf16_t*>(C), ldc, m, std::min<int64_t>(BF_MR, M - m), p * BF_NR, p * BF_NR + nc);
   }
@@ -203,7 +249,7 @@ LOOM_BF16_TARGET void bf_panels(const uint16_t* A, int64_t lda, int64_t M, int64
                                 const float* bias, void* C, int64_t ldc, bool out_f32, int t, int nt,
                                 const Bf16LoraEpilogue* ep) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, p0 = P * t / nt, p1 = P * (t + 1) / nt;
-  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32, ep);
+  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32, ep, ep && p + 1 < p1);
 }
 
 #endif
