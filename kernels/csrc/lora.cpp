@@ -65,8 +65,6 @@ struct InPool {
     for (int j = 0; j < N; ++j) rows.r[j] = a + std::min<int64_t>(r0 + j, rank - 1) * ld;
     return rows;
   }
-  // cache lines of n rows (shrink_tile's rows_ahead)
-  int64_t lines(int n) const { return (n * ld * int64_t(sizeof(T)) + 63) / 64; }
 };
 
 // The same rows packed by pack_pair: 2K floats a pair of rows (past the rank: its last pair)
@@ -82,7 +80,6 @@ struct Paired {
     rows.tail = K - rows.k8;
     return rows;
   }
-  int64_t lines(int n) const { return (n * K * 4 + 63) / 64; }
 };
 
 // floats of one slice's rows packed by pack_pair
@@ -276,58 +273,18 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 }
 #endif
 
-// Cache lines to ask for ahead of their use, a chunk at a time: up to 8 byte ranges (adapter rows: a pass item's, or
-// the next linear's) that the GEMM's tiles prefetch into L2 while their FMAs run (gemm_with_pass, gemm's fetch).
-struct Ahead {
-  static constexpr int MAX_RANGES = 8;
-  const char* p[MAX_RANGES];
-  int64_t n[MAX_RANGES];  // bytes
-  static constexpr int per_k = 1;  // lines a k gemm_panel's tiles ask for (PassFetch may ask for more)
-  int cnt = 0, cur = 0;
-  int64_t off = 0;  // bytes of p[cur] already asked for
-
-  void clear() { cnt = cur = 0, off = 0; }
-  void add(const void* q, int64_t bytes) {
-    if (bytes > 0 && cnt < MAX_RANGES) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
-  }
-  bool done() const { return cur >= cnt; }
-  // cache lines left to ask for
-  int64_t lines() const {
-    int64_t l = 0;
-    for (int i = cur; i < cnt; ++i) l += (n[i] - (i == cur ? off : 0) + 63) / 64;
-    return l;
-  }
-  // the next up to `lines` cache lines, within one range: (start, lines)
-  std::pair<const char*, int64_t> take(int64_t lines) {
-    if (done()) return {nullptr, 0};
-    const int64_t k = std::min(lines, (n[cur] - off + 63) / 64);
-    const char* q = p[cur] + off;
-    off += 64 * k;
-    if (off >= n[cur]) ++cur, off = 0;
-    return {q, k};
-  }
-  // what is left, read now (touch: plain loads, in order)
-  void finish(float& sink) {
-    for (; cur < cnt; ++cur, off = 0) touch(p[cur] + off, n[cur] - off, sink);
-  }
-};
-
 // The tile's shrink: buf[i * rank_pad + r] = x_i . a_r (a: InPool or Paired), rank rows in blocks of 4 (the last
 // block repeats rows; the extra products land in the padding and are never read), with AVX-512 8 rows at a time first.
 // fetch_x: the first block of rank rows, which reads x rows from memory, asks for the next token block's x rows into L2
 // while it computes one (up to two lines a kernel's 8 columns), and its last token block for [next, next + next_lines
-// lines) (nullable: the token block the caller runs next). rows_ahead (nullable, instead): each block of rank rows'
-// first token block asks for the next lines of rows_ahead, as many as that block's rows hold (the caller's next rank
-// rows: a decode step's shrink, whose rank rows come from memory).
+// lines) (nullable: the token block the caller runs next).
 template <class Rows>
 void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
-                 int64_t rank_pad, bool fetch_x = false, const char* next = nullptr, int64_t next_lines = 0,
-                 Ahead* rows_ahead = nullptr) {
+                 int64_t rank_pad, bool fetch_x = false, const char* next = nullptr, int64_t next_lines = 0) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
-  // what the call for token block i0 of rank rows [r0, r0 + n) asks for
-  const auto ahead = [&](int64_t i0, int n) {
-    if (rows_ahead) return i0 == 0 ? rows_ahead->take(a.lines(n)) : std::pair<const char*, int64_t>{nullptr, 0};
+  // what the call for token block i0 asks for
+  const auto ahead = [&](int64_t i0) {
     if (!fetch_x || r0 > 0) return std::pair<const char*, int64_t>{nullptr, 0};
     const int64_t j0 = i0 + SHRINK_ROWS, j1 = std::min<int64_t>(nt, j0 + SHRINK_ROWS);
     if (j0 >= nt) return std::pair<const char*, int64_t>{next, next ? next_lines : 0};
@@ -340,7 +297,7 @@ void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, in
     const auto rows = a.template block<8>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      const auto f = ahead(i0, 8);
+      const auto f = ahead(i0);
       with_rows<SHRINK_ROWS>(ti, [&](auto r) {
         shrink_rows8<decltype(r)::value>(x + i0, rows, K, out8, f.first, f.second);
       });
@@ -353,7 +310,7 @@ void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, in
     const auto rows = a.template block<4>(r0);
     for (int64_t i0 = 0; i0 < nt; i0 += SHRINK_ROWS) {
       const int64_t ti = std::min<int64_t>(SHRINK_ROWS, nt - i0);
-      const auto f = ahead(i0, 4);
+      const auto f = ahead(i0);
       with_rows<SHRINK_ROWS>(ti, [&](auto r) {
         shrink_block<decltype(r)::value>(x + i0, rows, K, out, f.first, f.second);
       });
@@ -434,6 +391,42 @@ inline void expand_row(float* y, const float* coef, const T* b, int64_t ldb, int
 #endif
   if (c < c1) expand_cols(&y, 1, &coef, b, ldb, rank, sc, c, c1);
 }
+
+// Cache lines to ask for ahead of their use, a chunk at a time: up to 8 byte ranges (adapter rows: a pass item's, or
+// the next linear's) that the GEMM's tiles prefetch into L2 while their FMAs run (gemm_with_pass, gemm's fetch).
+struct Ahead {
+  static constexpr int MAX_RANGES = 8;
+  const char* p[MAX_RANGES];
+  int64_t n[MAX_RANGES];  // bytes
+  static constexpr int per_k = 1;  // lines a k gemm_panel's tiles ask for (PassFetch may ask for more)
+  int cnt = 0, cur = 0;
+  int64_t off = 0;  // bytes of p[cur] already asked for
+
+  void clear() { cnt = cur = 0, off = 0; }
+  void add(const void* q, int64_t bytes) {
+    if (bytes > 0 && cnt < MAX_RANGES) p[cnt] = static_cast<const char*>(q), n[cnt++] = bytes;
+  }
+  bool done() const { return cur >= cnt; }
+  // cache lines left to ask for
+  int64_t lines() const {
+    int64_t l = 0;
+    for (int i = cur; i < cnt; ++i) l += (n[i] - (i == cur ? off : 0) + 63) / 64;
+    return l;
+  }
+  // the next up to `lines` cache lines, within one range: (start, lines)
+  std::pair<const char*, int64_t> take(int64_t lines) {
+    if (done()) return {nullptr, 0};
+    const int64_t k = std::min(lines, (n[cur] - off + 63) / 64);
+    const char* q = p[cur] + off;
+    off += 64 * k;
+    if (off >= n[cur]) ++cur, off = 0;
+    return {q, k};
+  }
+  // what is left, read now (touch: plain loads, in order)
+  void finish(float& sink) {
+    for (; cur < cnt; ++cur, off = 0) touch(p[cur] + off, n[cur] - off, sink);
+  }
+};
 
 // A linear's adapter pools as the kernels read them: A [S, R, K] and B [R, N], rows ak and bn elements apart (>= K, N:
 // a CPU pool's rows may be padded, kernels/cpu_lora.py pool_row), elements of with_type's type dt. An adapter owns
