@@ -22,84 +22,6 @@ namespace {
 constexpr int64_t BF_NR = 48;
 constexpr int BF_MR = 8;
 
-// A decode step's LoRA in the bfloat16 GEMM (the C++ layer's linears): each adapter token's shrink first (coef), then
-// each output tile's rows get their deltas right after the tile stored them, while they are in L1, instead of a pass
-// over y after the GEMM. Bitwise run_pass_bf16 on the GEMM's output: the rounded output widened, expand_row's
-// arithmetic (expand_tile's, column for column), rounded once.
-struct Bf16LoraEpilogue {
-  Pools pools;
-  const int64_t* offs;
-  const int32_t *rows, *ranks;
-  const float* scal;
-  int64_t rank_pad = 0, ld = 0;  // coef: ld floats a token, slice s's rank products from s * rank_pad
-  std::vector<float> coef;       // by row of y
-  std::vector<int32_t> group;    // y row -> its group, -1: none
-
-  Bf16LoraEpilogue(const bf16_t* x, int64_t xs, int64_t M, const Pools& p, const int64_t* offs_, const int64_t* tok,
-                   const int32_t* seg, const int32_t* rows_, const int32_t* ranks_, const float* scal_, int64_t G,
-                   int nthreads)
-      : pools(p), offs(offs_), rows(rows_), ranks(ranks_), scal(scal_), group(M, -1) {
-    int64_t max_rank = 0, tile = 1;  // tile: the most tokens shrunk together (a decode step: one or two)
-    for (int64_t g = 0; g < G; ++g) {
-      if (ranks[g] <= 0) continue;
-      max_rank = std::max<int64_t>(max_rank, ranks[g]);
-      tile = std::min<int64_t>(LORA_MAX_TILE, std::max<int64_t>(tile, seg[g + 1] - seg[g]));
-      for (int64_t t = seg[g]; t < seg[g + 1]; ++t) group[tok[t]] = int32_t(g);
-    }
-    rank_pad = (max_rank + 3) / 4 * 4;
-    ld = p.S * rank_pad;
-    coef.resize(M * ld);
-    const int64_t K = p.K;
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, G)))
-    {
-      std::unique_ptr<float[]> xw(new float[tile * K]), cf(new float[tile * ld]);
-      const float* xr[LORA_MAX_TILE];
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t rk = ranks[g];
-        if (rk <= 0) continue;
-        for (int64_t t0 = seg[g]; t0 < seg[g + 1]; t0 += tile) {
-          const int64_t nt = std::min<int64_t>(tile, seg[g + 1] - t0);
-          for (int64_t i = 0; i < nt; ++i) {
-            widen(x + tok[t0 + i] * xs, xw.get() + i * K, K);
-            xr[i] = xw.get() + i * K;
-          }
-          with_type(p.dt, [&](auto tag) {
-            using T = decltype(tag);
-            for (int64_t s = 0; s < p.S; ++s)
-              shrink_tile(xr, nt, InPool<T>{p.a_rows<T>(s, rows[g]), p.ak, rk}, K, rk, cf.get() + s * rank_pad, ld);
-          });
-          for (int64_t i = 0; i < nt; ++i)
-            std::memcpy(coef.data() + tok[t0 + i] * ld, cf.get() + i * ld, ld * sizeof(float));
-        }
-      }
-    }
-  }
-
-  // rows [m, m + mr) of y, columns [c0, c1) (at most BF_NR), just stored by the GEMM: each adapter row's delta
-  void apply(bf16_t* y, int64_t ldy, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
-    float tmp[BF_NR];
-    for (int64_t t = m; t < m + mr; ++t) {
-      const int32_t g = group[t];
-      if (g < 0) continue;
-      bf16_t* yr = y + t * ldy + c0;
-      widen(yr, tmp, c1 - c0);
-      with_type(pools.dt, [&](auto tag) {
-        using T = decltype(tag);
-        const T* b = pools.b_rows<T>(rows[g]) + c0;  // column c of the tile: tmp[c - c0], b[c - c0]
-        for (int64_t s = 0; s < pools.S; ++s) {
-          const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
-          if (lo >= hi) continue;
-          const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
-          expand_row(tmp, coef.data() + t * ld + s * rank_pad, b, pools.bn, ranks[g], scal[g], lo - c0, hi - c0,
-                     vec_end - c0);
-        }
-      });
-      narrow(tmp, yr, c1 - c0);
-    }
-  }
-};
-
 #if LOOM_HAVE_BF16_GEMM
 
 // 16 float32 lanes rounded to bfloat16, nearest even (VCVTNEPS2BF16: NaN stays NaN)
@@ -110,7 +32,7 @@ LOOM_BF16_TARGET inline void bf_store16(uint16_t* p, __m512 v) {
 template <int R>
 LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint16_t* B, int64_t K, void* C,
                                      int64_t ldc, bool out_f32, int64_t nc, const float* bias, const char* pf,
-                                     int64_t pf_lines) {
+                                     int64_t pf_lines, const char* q = nullptr, int64_t q_lines = 0) {
   __m512 c[R][3];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < 3; ++v) c[i][v] = _mm512_setzero_ps();
@@ -118,6 +40,7 @@ LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint1
   int64_t k2 = 0;
   for (; k2 < K2; ++k2) {
     if (k2 < pf_lines) _mm_prefetch(pf + 64 * k2, _MM_HINT_T1);  // a panel row of pairs is 3 lines: 1 of them a k2
+    if (k2 < q_lines) _mm_prefetch(q + 64 * k2, _MM_HINT_T1);  // bf_gemm_pass's adapter rows
     const uint16_t* b = B + 2 * BF_NR * k2;
     const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b)),
                    b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + 32)),
@@ -168,10 +91,11 @@ LOOM_BF16_TARGET inline void bf_tile(const uint16_t* A, int64_t lda, const uint1
   }
 }
 
-// panel p over rows [0, M): its row tiles, each prefetching a share of the next panel
+// panel p over rows [0, M): its row tiles, each prefetching a share of the next panel and (ahead: nullable) up to
+// a line a k of what it lists
 LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
                                int64_t p, const float* bias, void* C, int64_t ldc, bool out_f32,
-                               const Bf16LoraEpilogue* ep) {
+                               PassFetch* ahead = nullptr) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, K2 = (K + 1) / 2, panel_lines = (K2 * BF_NR * 4 + 63) / 64;
   const int64_t tiles = (M + BF_MR - 1) / BF_MR, per_tile = (panel_lines + tiles - 1) / tiles;
   const uint16_t* B = Bp + p * K2 * BF_NR * 2;
@@ -184,26 +108,76 @@ LOOM_BF16_TARGET void bf_panel(const uint16_t* A, int64_t lda, int64_t M, int64_
     const uint16_t* a = A + m * lda;
     void* c = static_cast<char*>(C) + (m * ldc + p * BF_NR) * esz;
     const char* pf = next + 64 * lo;
+    const auto [q, qn] = ahead ? ahead->take(K / 2) : std::pair<const char*, int64_t>{nullptr, 0};
     switch (std::min<int64_t>(BF_MR, M - m)) {
-      case 1: bf_tile<1>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 2: bf_tile<2>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 3: bf_tile<3>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 4: bf_tile<4>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 5: bf_tile<5>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 6: bf_tile<6>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      case 7: bf_tile<7>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
-      default: bf_tile<8>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n); break;
+      case 1: bf_tile<1>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 2: bf_tile<2>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 3: bf_tile<3>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 4: bf_tile<4>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 5: bf_tile<5>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 6: bf_tile<6>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      case 7: bf_tile<7>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
+      default: bf_tile<8>(a, lda, B, K, c, ldc, out_f32, nc, bp, pf, n, q, qn); break;
     }
-    if (ep) ep->apply(static_cast<bf16_t*>(C), ldc, m, std::min<int64_t>(BF_MR, M - m), p * BF_NR, p * BF_NR + nc);
   }
 }
 
 // a thread's contiguous share of the panels
 LOOM_BF16_TARGET void bf_panels(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
-                                const float* bias, void* C, int64_t ldc, bool out_f32, int t, int nt,
-                                const Bf16LoraEpilogue* ep) {
+                                const float* bias, void* C, int64_t ldc, bool out_f32, int t, int nt) {
   const int64_t P = (N + BF_NR - 1) / BF_NR, p0 = P * t / nt, p1 = P * (t + 1) / nt;
-  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32, ep);
+  for (int64_t p = p0; p < p1; ++p) bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, out_f32);
+}
+
+// A decode step's LoRA (groups under fuse_min tokens) in the bfloat16 GEMM, as gemm_with_pass (float32): the pass's
+// items (a token's shrink and expand, in float32 on its widened x row, each token's delta kept in scratch) interleaved
+// with the GEMM's panels on every thread, the tiles asking for the rows of the items their thread runs next
+// (PassFetch), the items running between two panels from cache; then each token's output row widened, its delta added
+// (lora_combine) and rounded once: bitwise the GEMM, then run_pass_bf16. A line a k: two ran the GEMM's tiles into
+// memory stalls and left the items' rows not yet there. 32 tokens on 32 rank-16 adapters, all linears of the default
+// model, bfloat16 pools, one thread (thread CPU time, libraries alternating in one process, load 3-5 from other
+// work), GEMMs alone 15.5 ms: deltas added to each output tile after the shrink, rows unfetched 55.7 ms; those rows
+// prefetched 39-40; this 27.6-28.5 (two lines a k 35.4, a line every 2-3 k 30-32).
+LOOM_BF16_TARGET void bf_gemm_pass(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp,
+                                   int64_t N, const float* bias, bf16_t* C, int64_t ldc, const Pools& pools,
+                                   const int64_t* offs, const int64_t* tok, const int32_t* seg, const int32_t* rows,
+                                   const int32_t* ranks, const float* scal, int64_t G, int nthreads) {
+  const int64_t first = seg[0], n = seg[G] - first, P = (N + BF_NR - 1) / BF_NR;
+  std::unique_ptr<float[]> xw(new float[n * K]), delta(new float[seg[G] * N]);  // delta: row i for tok[i]
+  std::vector<int64_t> idx(first + n);  // the pass's token indices: token tok[i]'s row of xw
+  for (int64_t i = first; i < first + n; ++i) {
+    idx[i] = i - first;
+    widen(reinterpret_cast<const bf16_t*>(A) + tok[i] * lda, xw.get() + (i - first) * K, K);
+  }
+  const LoraPass pass{xw.get(), K, pools, offs, nullptr, 0, idx.data(), seg, rows, ranks, scal, G,
+                      LoraItems(seg, ranks, G, nthreads)};
+  const int64_t n_items = pass.items.size();
+  std::atomic<int64_t> next_panel{0}, next_item{0};
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
+  {
+    LoraPass::Scratch sc(pass);
+    PassFetch pf(pass, next_item, 1);
+    for (int64_t p; (p = next_panel.fetch_add(1, std::memory_order_relaxed)) < P;) {
+      pf.run_ready(sc, delta.get(), N);
+      bf_panel(A, lda, M, K, Bp, N, p, bias, C, ldc, false, &pf);
+    }
+    pf.run_ready(sc, delta.get(), N, true);
+    for (int64_t w; (w = next_item.fetch_add(1, std::memory_order_relaxed)) < n_items;)
+      pass.run<true>(w, sc, delta.get(), N);
+    keep(sc.sink);
+    const std::unique_ptr<float[]> yw(new float[N]);
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < G; ++g) {
+      if (ranks[g] <= 0) continue;
+      for (int64_t i = seg[g]; i < seg[g + 1]; ++i) {
+        bf16_t* y = C + tok[i] * ldc;
+        widen(y, yw.get(), N);
+        lora_combine(yw.get(), delta.get() + i * N, offs, pools.S, scal[g]);
+        narrow(yw.get(), y, N);
+      }
+    }
+  }
 }
 
 #endif
@@ -213,7 +187,7 @@ LOOM_BF16_TARGET void bf_panels(const uint16_t* A, int64_t lda, int64_t M, int64
 // bfloat16 paths, which the tests compare with each other bit for bit, run on any x86 test host. Not a serving path:
 // kernels/cpu_linear.py takes loom's bfloat16 GEMM only where the CPU has avx512_bf16.
 void bf_gemm_plain(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
-                   const float* bias, void* C, int64_t ldc, bool out_f32, int nthreads, const Bf16LoraEpilogue* ep) {
+                   const float* bias, void* C, int64_t ldc, bool out_f32, int nthreads) {
   const int64_t K2 = (K + 1) / 2, P = (N + BF_NR - 1) / BF_NR;
 #pragma omp parallel for num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
   for (int64_t p = 0; p < P; ++p) {
@@ -236,23 +210,40 @@ void bf_gemm_plain(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const u
           static_cast<bf16_t*>(C)[m * ldc + n] = to_bf16(r);
       }
     }
-    if (ep) ep->apply(static_cast<bf16_t*>(C), ldc, 0, M, p * BF_NR, c1);
   }
 }
 
-// loom_gemm_bf16's work; ep (nullable, bfloat16 output only): the LoRA deltas added to each output tile
+// loom_gemm_bf16's work
 void gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N, const float* bias,
-               void* C, int64_t ldc, bool out_f32, int nthreads, const Bf16LoraEpilogue* ep = nullptr) {
+               void* C, int64_t ldc, bool out_f32, int nthreads) {
   if (M <= 0) return;
 #if LOOM_HAVE_BF16_GEMM
   if (__builtin_cpu_supports("avx512bf16")) {
     const int64_t P = (N + BF_NR - 1) / BF_NR;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)))
-    bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, omp_get_thread_num(), omp_get_num_threads(), ep);
+    bf_panels(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, omp_get_thread_num(), omp_get_num_threads());
     return;
   }
 #endif
-  bf_gemm_plain(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, nthreads, ep);
+  bf_gemm_plain(A, lda, M, K, Bp, N, bias, C, ldc, out_f32, nthreads);
+}
+
+// the GEMM with a decode step's LoRA groups (the C++ layer's, loom_gemm_bf16_lora): bf_gemm_pass, or on a CPU
+// without avx512_bf16 the GEMM, then the pass
+void gemm_bf16_lora(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
+                    const float* bias, bf16_t* C, int64_t ldc, const Pools& pools, const int64_t* offs,
+                    const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks,
+                    const float* scal, int64_t G, int nthreads) {
+  if (M <= 0) return;
+#if LOOM_HAVE_BF16_GEMM
+  if (G > 0 && seg[G] > seg[0] && __builtin_cpu_supports("avx512bf16")) {
+    bf_gemm_pass(A, lda, M, K, Bp, N, bias, C, ldc, pools, offs, tok, seg, rows, ranks, scal, G, nthreads);
+    return;
+  }
+#endif
+  gemm_bf16(A, lda, M, K, Bp, N, bias, C, ldc, false, nthreads);
+  run_pass_bf16(reinterpret_cast<const bf16_t*>(A), lda, pools, offs, C, ldc, tok, seg, rows, ranks, scal, G,
+                nthreads);
 }
 
 }  // namespace
@@ -284,17 +275,16 @@ void loom_gemm_bf16(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const 
   gemm_bf16(A, lda, M, K, Bp, N, bias, C, ldc, out_f32 != 0, nthreads);
 }
 
-// C [M, N] bfloat16 = loom_gemm_bf16's product, each adapter token's LoRA delta added to its output tiles as they are
-// stored (Bf16LoraEpilogue: the C++ layer's decode linears); pools and groups as loom_lora_apply_bf16 takes them, N
-// their width. Bitwise loom_gemm_bf16 followed by loom_lora_apply_bf16.
+// C [M, N] bfloat16 = loom_gemm_bf16's product plus each adapter token's LoRA delta (gemm_bf16_lora: the C++ layer's
+// decode linears); pools and groups as loom_lora_apply_bf16 takes them, N their width. Bitwise loom_gemm_bf16
+// followed by loom_lora_apply_bf16.
 void loom_gemm_bf16_lora(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp, int64_t N,
                          const float* bias, bf16_t* C, int64_t ldc, const void* a, int dt, int64_t S, int64_t R,
                          int64_t ak, const void* b, int64_t bn, const int64_t* offs, const int64_t* tok,
                          const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal, int64_t G,
                          int nthreads) {
-  const Bf16LoraEpilogue ep(reinterpret_cast<const bf16_t*>(A), lda, M, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, tok,
-                            seg, rows, ranks, scal, G, nthreads);
-  gemm_bf16(A, lda, M, K, Bp, N, bias, C, ldc, false, nthreads, &ep);
+  gemm_bf16_lora(A, lda, M, K, Bp, N, bias, C, ldc, Pools{a, b, dt, S, R, K, N, ak, bn}, offs, tok, seg, rows, ranks,
+                 scal, G, nthreads);
 }
 
 }  // extern "C"

@@ -220,9 +220,8 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
 }
 
 // bfloat16: loom's bfloat16 GEMM and the LoRA pass on its bfloat16 output (the Python layers' GEMM and
-// lora_apply_cpu_bf16: the same bits). A step whose groups are all under fuse_min tokens (decode) has each token's
-// delta added to the GEMM's output tiles as they are stored (Bf16LoraEpilogue); a prefill chunk's groups the pass after
-// the GEMM.
+// lora_apply_cpu_bf16: the same bits). A step whose groups are all under fuse_min tokens (decode) has the pass's
+// items interleaved with the GEMM's panels (gemm_bf16_lora); a prefill chunk's groups the pass after the GEMM.
 void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t mc,
                   bf16_t* y, const Ahead&) {
   if (l.parts) return quant_linear(l, lora, st, x, K, mc, y);
@@ -235,9 +234,8 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16
   bool small = true;
   for (int64_t g = 0; g < st.groups; ++g) small = small && st.seg[g + 1] - st.seg[g] < st.fuse_min;
   if (small) {
-    const Bf16LoraEpilogue ep(x, K, st.T, l.pools(K), l.offs, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
-                              st.nthreads);
-    gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads, &ep);
+    gemm_bf16_lora(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows,
+                   st.ranks, st.scal, st.groups, st.nthreads);
   } else {
     gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads);
     run_pass_bf16(x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,

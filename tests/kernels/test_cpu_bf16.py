@@ -264,10 +264,10 @@ def test_lora_bf16_is_the_widened_float32_pass(num_tokens, ranks, pool):
 @pytest.mark.parametrize("num_tokens,ranks,pool", [(9, [1, 8, 16, 4], BF16), (5, [16, 3], torch.float32),
                                                    (32, [16] * 32, BF16)])
 def test_gemm_bf16_lora_is_the_gemm_then_the_pass(cpu_build, num_tokens, ranks, pool):
-    """loom's bfloat16 GEMM with each adapter token's delta added to its output tiles as they are stored (the C++
-    layer's decode linears; where the CPU lacks avx512_bf16 the GEMM's plain loop): bitwise the GEMM, then the bfloat16
-    pass on its output, over slices with 16-wide parts and tails, panels across slice boundaries, a bias, padded pool
-    rows, ranks 1 to 16 and tokens without an adapter."""
+    """loom's bfloat16 GEMM with the adapter tokens' pass items interleaved with its panels, each token's delta added
+    to its output row after (the C++ layer's decode linears; where the CPU lacks avx512_bf16 the GEMM's plain loop,
+    then the pass): bitwise the GEMM, then the bfloat16 pass on its output, over slices with 16-wide parts and
+    tails, panels across slice boundaries, a bias, padded pool rows, ranks 1 to 16 and tokens without an adapter."""
     from loom.kernels import cpu_ext
     from loom.kernels.cpu_lora import group_arrays, lora_apply_cpu_bf16, offsets_tensor
 
