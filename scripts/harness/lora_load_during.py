@@ -25,8 +25,9 @@ TARGET = 1.05
 PHASES = ("steady", "load", "resident", "first_use")
 
 
-def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str, k0: int = 0) -> dict:
-    """-> {phase: [step seconds]} and the load / first-use latencies (s)."""
+def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str, k0: int = 0, refill=None) -> dict:
+    """-> {phase: [step seconds]} and the load / first-use latencies (s). refill(request id): called for each stream
+    that finished in a step (it adds the stream back: the running batch stays the same size)."""
     from loom.engine.sampling_params import SamplingParams
 
     reg = eng.adapters
@@ -55,6 +56,8 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str, k0: int =
         for o in outs:
             if o.error:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
+            if o.finished and refill is not None and o.request_id.startswith("stream"):
+                refill(o.request_id)
         return outs
 
     def use(phase: str, name: str, rid: str) -> float:
@@ -146,28 +149,40 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
                   cpu_threads=args.threads[0], cpu_compile=args.compile == "compiled",
                   lora_load_process_min_bytes=min_bytes)
         eng = llm.engine
-        long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        # Each stream decodes at most its share of the KV cache, less room for the short requests, and is added
+        # again when it ends: streams that never ended filled the cache after a few hundred steps, were preempted
+        # in turn, and a first-use request queued behind them never ran.
+        cap = eng.block_manager.capacity_tokens
+        long = SamplingParams(max_tokens=max(16, cap // (n + 2) - args.prompt_len - 32), temperature=0.0,
+                              ignore_eos=True)
+        lap = [0]
+
+        def refill(rid: str, eng=eng, long=long) -> None:
+            i = int(rid.removeprefix("stream").split(".")[0])
+            lap[0] += 1
+            eng.add_request(f"stream{i}.{lap[0]}", prompts[i], long, f"ad{i % 8}" if i % 2 else None)
+
         for i in range(n):
             eng.add_request(f"stream{i}", prompts[i], long, f"ad{i % 8}" if i % 2 else None)
         for _ in range(8):  # prefill, warm
             eng.step()
-        run_phases(eng, prompts, 1, 2, f"w{t}")  # one warm round (the loader process starts, shapes seen)
-        llms.append(llm)
+        run_phases(eng, prompts, 1, 2, f"w{t}", refill=refill)  # one warm round (the loader process starts, shapes)
+        llms.append((llm, refill))
         runs.append({"times": {p: [] for p in PHASES}, "cpu": {p: [] for p in PHASES},
                      "blocked_s": dict.fromkeys(PHASES, 0.0), "load_s": [], "first_use_ttft_s": []})
     for k in range(rounds):  # the engines' rounds interleaved: a slow minute of a shared machine hits each alike
-        for t, llm in enumerate(llms):
-            r = run_phases(llm.engine, prompts, 1, args.steady_steps, f"e{t}", k0=k)
+        for t, (llm, refill) in enumerate(llms):
+            r = run_phases(llm.engine, prompts, 1, args.steady_steps, f"e{t}", k0=k, refill=refill)
             for p in PHASES:
                 runs[t]["times"][p] += r["times"][p]
                 runs[t]["cpu"][p] += r["cpu"][p]
                 runs[t]["blocked_s"][p] += r["blocked_s"][p]
             runs[t]["load_s"] += r["load_s"]
             runs[t]["first_use_ttft_s"] += r["first_use_ttft_s"]
-    for t, (llm, r, min_bytes) in enumerate(zip(llms, runs, loaders)):
+    for t, ((llm, _), r, min_bytes) in enumerate(zip(llms, runs, loaders)):
         eng = llm.engine
-        for i in range(n):
-            eng.abort_request(f"stream{i}")
+        for seq in [*eng.scheduler.running, *eng.scheduler.waiting]:
+            eng.abort_request(seq.request_id)
         while eng.has_unfinished_requests():
             eng.step()
         llm.close()
