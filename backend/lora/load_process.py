@@ -42,10 +42,13 @@ from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapt
 
 log = logging.getLogger("loom")
 
-# The child's CPU priority. 19 starved it on a 2-core box whose two compute threads kept both cores busy (1 s of CPU
-# in 6.5 minutes: loads never ended), and 15 still did; at 10 it gets about a tenth of a core a busy compute thread
-# holds (bench_lora --load-during: loads p50 0.9 s, the streams' steps 1.11x p50 / 1.17x p99 while one runs).
-NICE = 10
+# The child's CPU priority: a trade between the running streams' steps and the requests waiting for their adapter.
+# 19 starved it on a 2-core box whose two compute threads kept both cores busy (loads never ended); at 10 a rank-16
+# load of the default model took ~0.45 s under load, and with 1,000 adapters (bench_lora --adapters 1000 --popularity
+# zipf:1.0, 120 disk reads in a run) the reads queued behind each other: 0.23x the one-adapter tokens/s, queue times
+# past the admission bound, no recovery after a popularity shift. At 5: 0.59x (0 gave the same), every queue time
+# within the bound, recovered at once; the steps while a load runs are slower (bench_lora --load-during).
+NICE = 5
 _ALIGN = 64
 
 
