@@ -298,10 +298,13 @@ def load_peft_adapter(
     # NaN / Inf checked over each laid-out group (after B's scaling, which could overflow), not per tensor: 420
     # tensors' isfinite were 19 of a rank-16 bfloat16 adapter's 40 ms of CPU (the loader competes with the steps)
     if not all(map(_all_finite, (*a_out.values(), *b_out.values()))):
-        bad = next((layer, proj) for (layer, proj), e in sorted(mods.items())
-                   if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all())
-                   or not torch.isfinite(e["Bt"].float() * (module_scaling[(layer, proj)] / base_scaling)).all())
-        raise _fail(name, f"layers.{bad[0]}.{bad[1]}: weights contain NaN or Inf")
+        bad = next((f"layers.{layer}.{proj}" for (layer, proj), e in sorted(mods.items())
+                    if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all())
+                    or not torch.isfinite(e["Bt"].float() * (module_scaling[(layer, proj)] / base_scaling)).all()),
+                   None)
+        if bad is None:  # finite as saved, out of range of the pools' type (lora_dtype)
+            raise _fail(name, f"weights overflow {str(dtype).removeprefix('torch.')} (lora_dtype): NaN or Inf")
+        raise _fail(name, f"{bad}: weights contain NaN or Inf")
     w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash, group_ranks)
     if pin_memory:
         w.pin_memory()

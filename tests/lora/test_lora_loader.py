@@ -285,3 +285,24 @@ def test_layer_selection_with_a_regex_target_refused_like_peft(tmp_path):
         _refused(_raw(tmp_path, f"x{len(extra)}{list(extra)[0]}",
                       extra_config={"target_modules": "all-linear", **extra}),
                  "cannot be used when target_modules is a string")
+
+
+@pytest.mark.parametrize("value,dtype,match", [
+    (float("nan"), torch.float32, r"layers\.1\.v_proj: weights contain NaN or Inf"),
+    (float("-inf"), torch.bfloat16, r"layers\.1\.v_proj: weights contain NaN or Inf"),
+    (1e6, torch.float16, r"overflow float16 \(lora_dtype\)"),  # finite as saved, past float16's range
+])
+def test_refuse_non_finite_weights(tmp_path, value, dtype, match):
+    """The check runs once over the laid-out pools' tensors (a float32 sum, then the module is named): a NaN / Inf in
+    any module's A or B, or a finite value the pools' type cannot hold, refuses the adapter; 1e6 in float32 loads."""
+    from safetensors.torch import save_file
+
+    path = write_raw_adapter(str(tmp_path / "ad"), CFG, seed=0, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    sd = _peft_state(path)
+    key = next(k for k in sd if "layers.1." in k and "v_proj.lora_B" in k)
+    sd[key][3, 1] = value
+    save_file(sd, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(AdapterLoadError, match=match):
+        _load(path, dtype=dtype)
+    if math.isfinite(value):
+        assert _load(path, dtype=torch.float32).b["qkv_proj"].abs().max() > 1e3
