@@ -192,8 +192,9 @@ void quant_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16
     if (p.kernel == 0) {
       static thread_local std::vector<float> out;
       if (int64_t(out.size()) < T * p.N) out.resize(T * p.N);
-      part_f32(LoomQuant{p.q, 0, p.N, 0, p.kind, p.scale, p.zero, p.zc, p.gb, p.groups, p.perm, p.kp}, x, K, T, mc,
-               bias, out.data(), p.N, st.nthreads);
+      LoomQuant own = p;  // into out's columns [0, N)
+      own.col = 0;
+      part_f32(own, x, K, T, mc, bias, out.data(), p.N, st.nthreads);
       for (int64_t t = 0; t < T; ++t) narrow(out.data() + t * p.N, y + t * l.N + p.col, p.N);
     } else {
       loom_quant_gemm_bf16(reinterpret_cast<const uint16_t*>(quant_rows<bf16_t>(p, x, K, T)), p.kp, T, p.kp, p.q,
