@@ -97,6 +97,13 @@ def run_batch(llm, prompts, params, loras) -> dict:
     return {"tokens_per_s": sum(map(len, tokens)) / dt, "wall_s": dt, "tokens": tokens, "cpu": meter.result}
 
 
+def cpu_share(args) -> float:
+    """EngineConfig.lora_load_cpu_share for this run (--load-cpu-share, else the default)."""
+    from loom.engine.config import EngineConfig
+
+    return EngineConfig.lora_load_cpu_share if args.load_cpu_share is None else args.load_cpu_share
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="")
@@ -129,6 +136,8 @@ def parse_args(argv=None):
                          "hot set; 0 = no shift); the report prints how long throughput takes to recover")
     ap.add_argument("--window-s", type=float, default=2.0, help="--shift-at: the throughput window, seconds")
     ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
+    ap.add_argument("--load-cpu-share", type=float, default=None,
+                    help="--adapters / --load-during: EngineConfig.lora_load_cpu_share (default: its default)")
     ap.add_argument("--load-during", type=int, default=0, metavar="ROUNDS",
                     help="ROUNDS > 0: the inter-token latency of --requests running streams while adapters load "
                          "(harness/lora_load_during.py) instead of the scenarios above")
@@ -347,7 +356,7 @@ def load_during(args, root: str) -> None:
     from harness import lora_load_during as ld
 
     model = args.model or bc.default_model_dir()
-    res = ld.load_during(args, root, AutoConfig.from_pretrained(model), model, write_adapter)
+    res = ld.load_during(args, root, AutoConfig.from_pretrained(model), model, write_adapter, cpu_share(args))
     text = ld.report(res, args)
     print(text, flush=True)
     if args.json:
@@ -410,7 +419,8 @@ def traffic(args, root: str) -> None:
     llm = LLM(model, adapter_roots=[root], device=args.device, dtype=args.dtype, max_lora_rank=max(16, args.rank),
               lora_memory_bytes=args.device_adapters * args.rank * row, max_host_adapters=args.host_adapters,
               lora_dtype=lora_dtype, enable_prefix_caching=False, cpu_threads=args.threads[0],
-              cpu_compile=args.compile == "compiled", max_lora_wait_steps=wait)
+              cpu_compile=args.compile == "compiled", max_lora_wait_steps=wait,
+              lora_load_cpu_share=cpu_share(args))
     eng, reg = llm.engine, llm.engine.adapters
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist()

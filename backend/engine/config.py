@@ -70,6 +70,12 @@ class EngineConfig:
     # (loom.lora.load_process: off the interpreter and at a low CPU priority, so loads do not slow running streams);
     # smaller ones on the loader thread (their work is shorter than the process's start).
     lora_load_process_min_bytes: int = 1 << 20
+    # On the CPU, the share of one core adapter loads (the loader process's reading and layout, the copies into the
+    # pools' rows) may take while requests run: they share the cores the steps compute on, and slow the running
+    # streams' steps by about this fraction (bench_lora --load-during). More when more requests wait for adapters
+    # not on the device than run (waiting / (waiting + running) of a core), a whole core when none run
+    # (loom.lora.load_pace). 1.0 = loads never paused. Not used on CUDA.
+    lora_load_cpu_share: float = 0.03
     # Tensor parallelism: one engine over this many ranks (this process and tensor_parallel_size - 1 worker
     # processes it starts), each holding a shard of every layer and of the KV cache; on CUDA rank r on the r-th
     # visible GPU from the engine's. LoRA adapters are sharded as their layers (each rank its part of A or B;
@@ -145,6 +151,9 @@ class EngineConfig:
               "adapter_cache_bytes", "must be an integer >= 1")
         check(isinstance(self.lora_load_process_min_bytes, int) and self.lora_load_process_min_bytes >= 0,
               "lora_load_process_min_bytes", "must be an integer >= 0 (0 = every adapter through the loader process)")
+        check(isinstance(self.lora_load_cpu_share, (int, float)) and not isinstance(self.lora_load_cpu_share, bool)
+              and 0.0 < self.lora_load_cpu_share <= 1.0, "lora_load_cpu_share",
+              f"must be a fraction of one core in (0, 1], got {self.lora_load_cpu_share!r}")
         check(isinstance(self.max_lora_wait_steps, int) and 0 <= self.max_lora_wait_steps <= 1 << 20,
               "max_lora_wait_steps", f"must be in [0, 1048576] (0 = FCFS), got {self.max_lora_wait_steps!r}")
         tp = self.tensor_parallel_size

@@ -55,6 +55,7 @@ from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.adapter_sources import AdapterSources, is_uri
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
 from loom.lora.batch_meta import build_lora_meta
+from loom.lora.load_pace import LoadShare, load_share
 from loom.lora.load_process import LoaderProcess
 from loom.lora.lora_pool import LoraPool
 from loom.lora.lora_stats import DISK_TO_HOST, HOST_TO_DEVICE, REMOTE_TO_HOST, LoadLog, LoraStats
@@ -93,7 +94,12 @@ class AdapterRegistry:
         self.roots = list(config.adapter_roots)
         self.max_lora_rank = int(config.max_lora_rank)
         self.spec = spec if spec is not None else LoraModelSpec.from_model(model)
-        self.residency = RowResidency(config, self.spec, model, self.device, dtype, tp)  # device rows and host tier
+        # On the CPU loads share the cores the steps compute on: their CPU share, set each step (pace_loads), paces
+        # the loader process and the copier thread (loom.lora.load_pace)
+        self.load_share = LoadShare()
+        self._paced = self.device.type == "cpu"
+        self.residency = RowResidency(config, self.spec, model, self.device, dtype, tp,  # device rows and host tier
+                                      self.load_share.get if self._paced else None)
         self.pools: tuple[LoraPool, LoraPool] = self.residency.pools
         self.pool, self.expert_pool = self.pools  # dense, expert
         self._pin = self.device.type == "cuda"
@@ -110,7 +116,7 @@ class AdapterRegistry:
                                             initializer=_loader_thread, initargs=(self.device,))
         # adapters of at least lora_load_process_min_bytes are read in a process (loom.lora.load_process), started
         # at the first such load
-        self._process = LoaderProcess(self.spec, dtype, self.max_lora_rank)
+        self._process = LoaderProcess(self.spec, dtype, self.max_lora_rank, self.load_share)
         self.num_disk_loads = 0
         self.sources = (AdapterSources(config.adapter_sources, config.adapter_cache_dir, config.adapter_cache_bytes)
                         if config.adapter_sources else None)
@@ -162,6 +168,7 @@ class AdapterRegistry:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._process.close()
         self.residency.close()
+        self.load_share.close()
 
     @property
     def loader_pid(self) -> int | None:
@@ -282,6 +289,23 @@ class AdapterRegistry:
                 self._cond.wait(timeout)
             return not any(v.loading for v in self._versions)
 
+    def pace_loads(self, running: int, overdue: Sequence[AdapterRef] = ()) -> None:
+        """Once per step, from the engine's loop: the CPU share adapter loads may take until the next one, from the
+        requests in the step (`running`), those holding an adapter not on the device yet, and whether one of the
+        `overdue` requests' (waited max_lora_wait_steps) is such an adapter (load_pace.load_share,
+        lora_load_cpu_share). On CUDA loads are not paced."""
+        if not self._paced:
+            return
+        with self._lock:
+            waiting = sum(v.refcount - v.active for v in self._versions
+                          if v.refcount > v.active and not self._ready(v))
+            late = any(not self._ready(ref._v) for ref in overdue)
+        self.load_share.set(load_share(self.config.lora_load_cpu_share, waiting, running, late))
+
+    def _ready(self, v: AdapterVersion) -> bool:
+        """v's rows are on the device and written (a step may read them)."""
+        return v.resident and not self.residency.copying(v)
+
     def has_pending_loads(self) -> bool:
         with self._lock:
             return any(v.loading for v in self._versions)
@@ -331,7 +355,10 @@ class AdapterRegistry:
                     return False  # rows taken in the other space stay cached (evictable, not pinned)
                 self.load_log.record(HOST_TO_DEVICE, time.perf_counter() - t0)
                 self.residency.trim_host()
-            self.residency.sync(v)  # a copy still in flight (placed ahead, or just now) ends before the step reads
+            elif self.residency.copying(v) and self.load_share.get() < 1.0:
+                return False  # placed ahead (prefetch), the CPU copier still writes its rows, paced: not waited for
+            self.residency.sync(v)  # its copy ends before the step reads (CPU: waited for, unpaced, if placed just
+            # now or if loads may take a whole core: nothing runs, or a request is overdue)
             v.active += 1
             ref.active = True
             self._touch(v)

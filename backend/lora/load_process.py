@@ -37,6 +37,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import torch
 
+from loom.lora.load_pace import LoadShare, Pacer
 from loom.lora.peft_config import AdapterConfigInfo, AdapterLoadError
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapter
 
@@ -102,11 +103,13 @@ def _views(fd: int, layout: dict, size: int) -> dict:
 
 
 def load_packed(path: str, name: str, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int,
-                config: AdapterConfigInfo) -> tuple[int, dict]:
-    """Child: one adapter read and laid out straight into a memory file -> (its descriptor, what `unpack` needs)."""
+                config: AdapterConfigInfo, pace=None) -> tuple[int, dict]:
+    """Child: one adapter read and laid out straight into a memory file -> (its descriptor, what `unpack` needs).
+    pace: the child's Pacer (loom.lora.load_pace), called between pieces of the work."""
     mem = MemfdAlloc(name)
     try:
-        w = load_peft_adapter(path, name, spec, dtype, max_lora_rank, config=config, alloc=mem)
+        w = load_peft_adapter(path, name, spec, dtype, max_lora_rank, config=config, alloc=mem, map_file=True,
+                              **({"pace": pace} if pace is not None else {}))
     except BaseException:
         mem.close()
         raise
@@ -134,12 +137,15 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int) -> None:
+def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int,
+               share_fd: int) -> None:
     """The loader process of engine process `parent`: jobs (path, name, config) -> ("ok", meta) + the memory file's
-    descriptor, or ("error", message naming the adapter); None or end-of-file: exit."""
+    descriptor, or ("error", message naming the adapter); None or end-of-file: exit. share_fd: the engine's
+    LoadShare (the CPU share its loads may take, loom.lora.load_pace), which paces every job."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the engine's terminal: the engine stops it
     torch.set_num_threads(1)  # (its priority was lowered by _BOOT before any import)
+    pace = Pacer(LoadShare(share_fd).get)
     while True:
         try:
             job = conn.recv()
@@ -149,7 +155,7 @@ def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_l
             return
         path, name, config = job
         try:
-            fd, meta = load_packed(path, name, spec, dtype, max_lora_rank, config)
+            fd, meta = load_packed(path, name, spec, dtype, max_lora_rank, config, pace)
         except AdapterLoadError as e:
             conn.send(("error", str(e)))
             continue
@@ -186,8 +192,12 @@ def _stop(state: dict, timeout: float) -> None:
 class LoaderProcess:
     """The registry's loader process (module docstring): `load` on the loader thread, `close` at engine close."""
 
-    def __init__(self, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, nice: int = NICE):
-        self._args, self._nice = (spec, dtype, max_lora_rank), nice
+    def __init__(self, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int, share: LoadShare | None = None,
+                 nice: int = NICE):
+        """share: the engine's LoadShare (the child maps it: the CPU share its loads may take); None: a share of
+        its own, a whole core (unpaced)."""
+        self._own_share = share is None
+        self._args, self._nice, self._share = (spec, dtype, max_lora_rank), nice, share or LoadShare()
         self._state: dict = {}  # "proc", "conn" while one runs
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._state, 0.0)
@@ -201,13 +211,13 @@ class LoaderProcess:
         mine, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen([_python(), "-c", _BOOT, str(theirs.fileno()), str(self._nice)],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                    pass_fds=(theirs.fileno(), self._share.fd), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()  # only the child holds its end: it reads end-of-file when this process goes
         conn = Connection(mine.detach())
         self._state.update(proc=proc, conn=conn)
         conn.send(list(sys.path))
-        conn.send((os.getpid(), *self._args))
+        conn.send((os.getpid(), *self._args, self._share.fd))
         log.info("adapter loader process started (pid %d)", proc.pid)
 
     def load(self, path: str, name: str, config: AdapterConfigInfo) -> AdapterWeights:
@@ -245,3 +255,5 @@ class LoaderProcess:
         self._closed = True
         self._finalizer.detach()
         _stop(self._state, timeout)
+        if self._own_share:
+            self._share.close()

@@ -25,6 +25,7 @@ import torch
 from loom.kernels.cpu_lora import pool_row
 from loom.kernels.cpu_memory import large_zeros
 from loom.lora.adapter_version import EXPERT, SPACE_FIELDS
+from loom.lora.load_pace import PIECE_BYTES
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec
 
 
@@ -154,8 +155,9 @@ class LoraPool:
                 mod.lora_b = self.b[group][pos[group][layer]]
                 mod.lora_group = group
 
-    def write(self, row_start: int, w: AdapterWeights) -> None:
-        """Copy an adapter's host weights into rows [row_start, row_start + rank_of(w)) of every pool."""
+    def write(self, row_start: int, w: AdapterWeights, pace: Callable[[], None] | None = None) -> None:
+        """Copy an adapter's host weights into rows [row_start, row_start + rank_of(w)) of every pool. pace: called
+        between pieces of about PIECE_BYTES (loom.lora.load_pace: the CPU copier's share of the cores)."""
         r = self.rank_of(w)
         if r == 0:
             raise ValueError(f"adapter {w.name!r} targets none of the groups {[g.name for g in self.spec.groups]}")
@@ -173,8 +175,17 @@ class LoraPool:
                 src_b = w.b[g.name][..., :r, :]
                 if g.shard is not None:  # this rank's part of the full weights
                     src_a, src_b = g.shard.take_a(src_a), g.shard.take_b(src_b)
-                dst_a.copy_(src_a[..., :r, :], non_blocking=nb)
-                dst_b.copy_(src_b, non_blocking=nb)
+                src_a = src_a[..., :r, :]
+                if pace is None:
+                    dst_a.copy_(src_a, non_blocking=nb)
+                    dst_b.copy_(src_b, non_blocking=nb)
+                    continue
+                per_layer = (dst_a[0].numel() + dst_b[0].numel()) * dst_a.element_size()
+                step = max(1, PIECE_BYTES // max(1, per_layer))
+                for i in range(0, dst_a.shape[0], step):  # a layer range at a time
+                    dst_a[i:i + step].copy_(src_a[i:i + step])
+                    dst_b[i:i + step].copy_(src_b[i:i + step])
+                    pace()
 
     def read(self, row_start: int, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Host copies of rows (tests / debugging)."""

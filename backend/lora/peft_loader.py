@@ -25,13 +25,17 @@ The config and target names this module used to define are re-exported from here
 from __future__ import annotations
 
 import hashlib
+import json
+import mmap
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from loom.lora.load_pace import PIECE_BYTES
 from loom.lora.model_spec import (
     ALL_PROJS,
     EXPERT_PROJS,
@@ -155,6 +159,97 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum(dtype=torch.float32))) or bool(torch.isfinite(t).all())
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _no_pace() -> None:
+    pass
+
+
+def _read_weights(adapter_dir: str, name: str, map_file: bool, pace: Callable[[], None] = _no_pace
+                  ) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights file's tensors (views of one buffer) and a fingerprint of the config and weights contents (the
+    registry compares it when it reads the adapter again: "changed on disk"). map_file: views of a private mapping of
+    the file (its pages come from the page cache as the layout copies them: a read into a fresh buffer, then
+    safetensors' own copy, were ~10 of a rank-16 float32 load's ~50 ms of CPU), else of a read copy. A mapped file cut
+    short while it is read ends the process (SIGBUS): only the loader process maps (it is replaced, the job retried).
+    The fingerprint is a sha256 of the config, the weights' size and their CRC-32 (a sha256 of 20 MB of weights was
+    ~10 ms; CRC-32 is 3 and detects any change a later edit or copy makes, which is what it is for)."""
+    try:
+        with open(os.path.join(adapter_dir, CONFIG_NAME), "rb") as f:
+            cfg_bytes = f.read()
+        with open(os.path.join(adapter_dir, WEIGHTS_NAME), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if map_file and size:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            else:
+                data = bytearray(size)
+                f.readinto(data)
+    except (OSError, ValueError) as e:
+        raise _fail(name, f"cannot read adapter files: {e}") from None
+    crc, view = 0, memoryview(data)
+    for i in range(0, size, PIECE_BYTES):
+        crc = zlib.crc32(view[i:i + PIECE_BYTES], crc)
+        pace()
+    view.release()
+    content_hash = hashlib.sha256(cfg_bytes + b"\0" + f"{size}:{crc:08x}".encode()).hexdigest()
+    return _parse_safetensors(name, data, pace), content_hash
+
+
+def _parse_safetensors(name: str, data, pace: Callable[[], None] = _no_pace) -> dict[str, torch.Tensor]:
+    """safetensors' format read in place: an 8-byte little-endian header length, a JSON header {tensor: {dtype,
+    shape, data_offsets}} (and an optional __metadata__), then the data. Every tensor checked as safetensors checks
+    it (known dtype, offsets inside the data, in order, not overlapping, matching the shape) before any view."""
+    def bad(why: str) -> AdapterLoadError:
+        return _fail(name, f"{WEIGHTS_NAME} is not a valid safetensors file: {why}")
+
+    if len(data) < 8:
+        raise bad("shorter than its 8-byte header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8 or n > 100 << 20:
+        raise bad(f"header length {n} exceeds the file")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except ValueError as e:
+        raise bad(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) > 8 + n else torch.empty(0, dtype=torch.uint8)
+    body = len(data) - 8 - n
+    pace()
+    entries = []
+    for key, info in header.items():
+        try:
+            dtype, shape, (lo, hi) = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key!r} has a bad entry {info!r}") from None
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= body) or min(shape, default=0) < 0:
+            raise bad(f"tensor {key!r}: offsets {[lo, hi]} outside the data ({body} bytes) or a negative dimension")
+        if hi - lo != torch.Size(shape).numel() * dtype.itemsize:
+            raise bad(f"tensor {key!r}: {hi - lo} bytes for shape {shape} of {info['dtype']}")
+        entries.append((lo, hi, key, dtype, shape))
+    pace()
+    entries.sort()
+    end = 0
+    for lo, hi, key, _, _ in entries:
+        if lo < end:
+            raise bad(f"tensor {key!r} overlaps the tensor before it")
+        end = hi
+    if not entries:
+        raise _fail(name, f"{WEIGHTS_NAME} holds no tensors")
+    # a writer whose header length is not a multiple of 8 leaves the data unaligned: those tensors are copied
+    out = {}
+    for i, (lo, hi, key, dtype, shape) in enumerate(entries):
+        t = buf[8 + n + lo:8 + n + hi]
+        out[key] = (t if (8 + n + lo) % dtype.itemsize == 0 else t.clone()).view(dtype).view(shape)
+        if i % 128 == 127:
+            pace()
+    return out
+
+
 def load_peft_adapter(
     adapter_dir: str,
     name: str,
@@ -164,38 +259,28 @@ def load_peft_adapter(
     config: AdapterConfigInfo | None = None,
     pin_memory: bool = False,
     alloc: Alloc | None = None,
+    map_file: bool = False,
+    pace: Callable[[], None] = _no_pace,
 ) -> AdapterWeights:
     """Read, validate and lay out one adapter (host memory). Raises AdapterLoadError. alloc: where the laid-out
     tensors are made, zero-filled (default zeros_alloc; the loader process's lands them in the memory file it hands
-    over)."""
-    from safetensors.torch import load as st_load
-
+    over). map_file: map the weights file instead of reading it (_read_weights: the loader process only). pace:
+    called between pieces of the work (loom.lora.load_pace.Pacer: the loader process's CPU share)."""
+    pace()
     if config is None:
         config = read_adapter_config(adapter_dir, name, max_lora_rank)
     linear_names = tuple(dict.fromkeys(p for _, p in spec.module_projs()))
     targeted = set(target_ranks(name, config, spec))
-    cfg_bytes = b""
-    try:
-        with open(os.path.join(adapter_dir, CONFIG_NAME), "rb") as f:
-            cfg_bytes = f.read()
-        with open(os.path.join(adapter_dir, WEIGHTS_NAME), "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise _fail(name, f"cannot read adapter files: {e}") from None
-    content_hash = hashlib.sha256(cfg_bytes + b"\0" + data).hexdigest()
-    try:
-        tensors = st_load(data)
-    except Exception as e:  # safetensors raises its own error types
-        raise _fail(name, f"{WEIGHTS_NAME} is not a valid safetensors file: {e}") from None
-    del data
-    if not tensors:
-        raise _fail(name, f"{WEIGHTS_NAME} holds no tensors")
+    tensors, content_hash = _read_weights(adapter_dir, name, map_file, pace)
+    pace()
 
     # (layer, proj) -> {"module": PEFT module key, "A": [(E,) r, in], "Bt": [(E,) r, out], "rank": r}
     mods: dict[tuple[int, str], dict] = {}
     dense: dict[tuple[int, str], dict] = {}
     experts: dict[tuple[int, str], dict] = {}
-    for key, t in tensors.items():
+    for i, (key, t) in enumerate(tensors.items()):
+        if i % 64 == 63:
+            pace()
         m = _EXPERT_KEY_RE.match(key) if spec.moe_family else None
         if m:
             layer = int(m.group("layer"))
@@ -229,7 +314,9 @@ def load_peft_adapter(
             raise _fail(name, f"{where}: shape mismatch with the base model: lora_A {tuple(A.shape)}, lora_B "
                         f"{tuple(B.shape)}; expected lora_A [r, {in_f}] and lora_B [{out_f}, r]")
         mods[(layer, proj)] = {"module": e["module"], "rank": A.shape[0], "A": A, "Bt": B.t()}
+    pace()
     _read_expert_weights(name, experts, spec, mods)
+    pace()
 
     # validate ranks and scalings (patterns are matched against the module / parameter key, as PEFT does)
     module_rank: dict[tuple[int, str], int] = {}
@@ -277,27 +364,45 @@ def load_peft_adapter(
         lead = (len(spec.layers_of(g)),) + ((g.num_experts,) if g.num_experts else ())
         shapes += [("a", g.name, (*lead, g.num_slices, rank, g.in_features)),
                    ("b", g.name, (*lead, rank, g.out_features))]
+    pace()
     out = (alloc or zeros_alloc)(shapes, dtype)
     for g, here in present_groups:
         pos = {layer: i for i, layer in enumerate(spec.layers_of(g))}  # the weights' layers all have the group
         a, b = out[("a", g.name)], out[("b", g.name)]
+        a_layers, b_layers = a.unbind(0), b.unbind(0)
         offs = g.slice_offsets
+        dst, src, nbytes = [], [], 0  # batched copies: 420 copies one by one were ~25 ms of a load's Python
         for layer, proj in here:
             e = mods[(layer, proj)]
             si = PROJ_TO_GROUP[proj][1]
             r = module_rank[(layer, proj)]
             ratio = module_scaling[(layer, proj)] / base_scaling
-            bt = e["Bt"] if ratio == 1.0 else e["Bt"].float() * ratio
+            a_l, n0 = a_layers[pos[layer]], len(dst)
             for s in (range(g.num_slices) if si is None else [si]):  # a fused projection's A serves every slice
-                a[pos[layer]][..., s, :r, :].copy_(e["A"])
+                dst.append(a_l[..., s, :r, :])
+                src.append(e["A"])
             lo, hi = (0, g.out_features) if si is None else (offs[si], offs[si + 1])
-            b[pos[layer]][..., :r, lo:hi].copy_(bt)
+            dst.append(b_layers[pos[layer]][..., :r, lo:hi])
+            src.append(e["Bt"] if ratio == 1.0 else e["Bt"].float() * ratio)
+            nbytes += sum(d.numel() for d in dst[n0:]) * dtype.itemsize
+            if nbytes >= PIECE_BYTES:
+                torch._foreach_copy_(dst, src)
+                pace()
+                dst, src, nbytes = [], [], 0
+        if dst:
+            torch._foreach_copy_(dst, src)
+            pace()
         a_out[g.name] = a
         b_out[g.name] = b
         group_ranks[g.name] = max(module_rank[m] for m in here)
     # NaN / Inf checked over each laid-out group (after B's scaling, which could overflow), not per tensor: 420
     # tensors' isfinite were 19 of a rank-16 bfloat16 adapter's 40 ms of CPU (the loader competes with the steps)
-    if not all(map(_all_finite, (*a_out.values(), *b_out.values()))):
+    def finite(t: torch.Tensor) -> bool:
+        ok = _all_finite(t)
+        pace()
+        return ok
+
+    if not all(map(finite, (*a_out.values(), *b_out.values()))):
         bad = next((f"layers.{layer}.{proj}" for (layer, proj), e in sorted(mods.items())
                     if not (torch.isfinite(e["A"]).all() and torch.isfinite(e["Bt"]).all())
                     or not torch.isfinite(e["Bt"].float() * (module_scaling[(layer, proj)] / base_scaling)).all()),
@@ -305,6 +410,8 @@ def load_peft_adapter(
         if bad is None:  # finite as saved, out of range of the pools' type (lora_dtype)
             raise _fail(name, f"weights overflow {str(dtype).removeprefix('torch.')} (lora_dtype): NaN or Inf")
         raise _fail(name, f"{bad}: weights contain NaN or Inf")
+    tensors = mods = dense = experts = None  # the file's views: a mapped file is unmapped here, a piece of its own
+    pace()
     w = AdapterWeights(name, adapter_dir, rank, float(base_scaling), a_out, b_out, present, content_hash, group_ranks)
     if pin_memory:
         w.pin_memory()

@@ -24,6 +24,8 @@ publish a load) on the loader thread.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, AdapterVersion
@@ -37,8 +39,9 @@ class RowResidency:
     """The pools of both row spaces and the set of live versions (the registry adds them; they are freed here)."""
 
     def __init__(self, config, spec: LoraModelSpec, model: torch.nn.Module | None, device: torch.device,
-                 dtype: torch.dtype, tp=None):
-        """tp: rank 0's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None."""
+                 dtype: torch.dtype, tp=None, share: Callable[[], float] | None = None):
+        """tp: rank 0's tensor-parallel group (loom.distributed.parallel_state.ParallelGroup), or None. share: the CPU
+        share of a core loads may take, which paces the CPU copier (loom.lora.load_pace; None: unpaced)."""
         self.config = config
         self.max_host_adapters = int(config.max_host_adapters)
         self.max_host_bytes = int(config.max_host_adapter_bytes)  # 0: the count alone
@@ -54,7 +57,7 @@ class RowResidency:
         self.compactions = [0, 0]
         self.host_evictions = 0  # host copies dropped by trim_host
         self.device = torch.device(device)
-        self.copies = RowCopies(self.device)  # copies in flight and their order against the steps
+        self.copies = RowCopies(self.device, share=share)  # copies in flight, their order against the steps
 
     def close(self) -> None:
         self.copies.close()
@@ -88,6 +91,10 @@ class RowResidency:
                 v.rows[space] = start
         return True
 
+    def copying(self, v: AdapterVersion) -> bool:
+        """v's rows are still being written by the CPU copier (not ready for a step; RowCopies.busy)."""
+        return self.copies.busy(v)
+
     def sync(self, v: AdapterVersion) -> None:
         """v's rows written before the next step reads them (CUDA: that step's work waits on the device, the host does
         not; CPU: the copier is done with them)."""
@@ -97,7 +104,7 @@ class RowResidency:
         pool, host = self.pools[space], v.host
         if self.peer_log is not None:
             self.peer_log.write(space, start, v.ranks[space], host, v.version)
-        self.copies.write(v, lambda: pool.write(start, host))
+        self.copies.write(v, lambda: pool.write(start, host, self.copies.pace))
 
     def maybe_free(self, v: AdapterVersion) -> None:
         """Free a stale version nobody holds (rows + host weights)."""

@@ -47,17 +47,22 @@ def run_phases(eng, prompts, rounds: int, steady_steps: int, tag: str, k0: int =
 
     reg.activate = timed_activate
 
+    refilled = [False]
+
     def step(phase: str) -> list:
         current[0] = phase
         t, c = time.perf_counter(), time.thread_time()
         outs = eng.step()
-        times[phase].append(time.perf_counter() - t)
-        cpu[phase].append(time.thread_time() - c)
+        if not refilled[0]:  # a step that prefilled a stream added again is not a decode step of the phase
+            times[phase].append(time.perf_counter() - t)
+            cpu[phase].append(time.thread_time() - c)
+        refilled[0] = False
         for o in outs:
             if o.error:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
             if o.finished and refill is not None and o.request_id.startswith("stream"):
                 refill(o.request_id)
+                refilled[0] = True
         return outs
 
     def use(phase: str, name: str, rid: str) -> float:
@@ -119,7 +124,8 @@ def cpu_per_load(root: str, hf_cfg, names: list[str], repeats: int = 2) -> dict:
     return {way: {k: sum(v) / len(v) for k, v in d.items()} for way, d in out.items()}
 
 
-def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
+def load_during(args, root: str, hf_cfg, model: str, write_adapter, share: float) -> dict:
+    """share: each engine's lora_load_cpu_share."""
     import torch
 
     from loom.engine.llm import LLM
@@ -137,7 +143,7 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
                                   r=args.rank, dtype=args.adapter_dtype)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, hf_cfg.vocab_size - 10, (args.prompt_len,), generator=g).tolist() for _ in range(n)]
-    out: dict = {"rounds": rounds, "streams": n, "engines": {}}
+    out: dict = {"rounds": rounds, "streams": n, "engines": {}, "lora_load_cpu_share": share}
     if args.adapter_dtype == "float32" and any(x < 1 << 40 for x in loaders):  # a loader process in the run
         out["cpu_per_load"] = cpu_per_load(root, hf_cfg, [f"ad{i}" for i in range(8)])
         bc.progress(f"CPU per load: {out['cpu_per_load']}")
@@ -147,11 +153,12 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
                   lora_memory_bytes=min(args.lora_memory_mb, 256) << 20, kv_cache_memory_bytes=512 << 20,
                   max_num_seqs=n + 2, max_host_adapters=64, enable_prefix_caching=False,
                   cpu_threads=args.threads[0], cpu_compile=args.compile == "compiled",
-                  lora_load_process_min_bytes=min_bytes)
+                  lora_load_process_min_bytes=min_bytes, lora_load_cpu_share=share)
         eng = llm.engine
         # Each stream decodes at most its share of the KV cache, less room for the short requests, and is added
         # again when it ends: streams that never ended filled the cache after a few hundred steps, were preempted
-        # in turn, and a first-use request queued behind them never ran.
+        # in turn, and a first-use request queued behind them never ran. The step that prefills a stream added
+        # again is left out of the phases' step times (it is not a decode step; a load does not cause it).
         cap = eng.block_manager.capacity_tokens
         long = SamplingParams(max_tokens=max(16, cap // (n + 2) - args.prompt_len - 32), temperature=0.0,
                               ignore_eos=True)
@@ -162,8 +169,10 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
             lap[0] += 1
             eng.add_request(f"stream{i}.{lap[0]}", prompts[i], long, f"ad{i % 8}" if i % 2 else None)
 
-        for i in range(n):
-            eng.add_request(f"stream{i}", prompts[i], long, f"ad{i % 8}" if i % 2 else None)
+        for i in range(n):  # first lengths staggered: the streams end (and are added again) one at a time
+            first = SamplingParams(max_tokens=max(8, long.max_tokens * (i + 1) // n), temperature=0.0,
+                                   ignore_eos=True)
+            eng.add_request(f"stream{i}", prompts[i], first, f"ad{i % 8}" if i % 2 else None)
         for _ in range(8):  # prefill, warm
             eng.step()
         run_phases(eng, prompts, 1, 2, f"w{t}", refill=refill)  # one warm round (the loader process starts, shapes)
@@ -201,16 +210,19 @@ def load_during(args, root: str, hf_cfg, model: str, write_adapter) -> dict:
 def report(res: dict, args) -> str:
     lines = [f"{res['streams']} streams decoding (half on 8 resident adapters), {res['rounds']} rounds; step time = "
              f"the streams' inter-token latency (ms); rank-{args.rank} {args.adapter_dtype} adapters on all 7 "
-             f"projections; engines' rounds interleaved in this run"]
+             f"projections; engines' rounds interleaved in this run; loads paced to "
+             f"{res.get('lora_load_cpu_share', '?')} of a core while the streams run (lora_load_cpu_share); steps "
+             f"that prefilled a stream added again left out"]
     rows = []
     for name, e in res["engines"].items():
         ms = e["ms"]
         for p in PHASES:
             ref = ms["steady"] if p == "load" else ms["resident"] if p == "first_use" else None
             rows.append([name, p, ms[p]["n"], ms[p]["p50"], ms[p]["p99"], ms[p]["max"],
+                         bc.ratio(ms[p]["p50"], ref["p50"]) if ref else None,
                          bc.ratio(ms[p]["p99"], ref["p99"]) if ref else None, e["loop_cpu_ms"][p]["p50"],
                          e["activate_ms"][p]])
-    lines.append(bc.table(["loader", "phase", "steps", "p50 ms", "p99 ms", "max ms", "p99 / before",
+    lines.append(bc.table(["loader", "phase", "steps", "p50 ms", "p99 ms", "max ms", "p50 / before", "p99 / before",
                            "loop CPU p50 ms", "in activate ms (sum)"], rows))
     if "cpu_per_load" in res:
         c = res["cpu_per_load"]

@@ -306,3 +306,101 @@ def test_refuse_non_finite_weights(tmp_path, value, dtype, match):
         _load(path, dtype=dtype)
     if math.isfinite(value):
         assert _load(path, dtype=torch.float32).b["qkv_proj"].abs().max() > 1e3
+
+
+def _write_st(path: str, tensors: dict, header_pad: int = 0, edit=None) -> None:
+    """A safetensors file written by hand: the header JSON padded with header_pad spaces (0: none, so the data may be
+    unaligned), edit(header) applied before it is written."""
+    import struct
+
+    header, blobs, off = {}, [], 0
+    for k, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        header[k] = {"dtype": {torch.float32: "F32", torch.bfloat16: "BF16"}[t.dtype], "shape": list(t.shape),
+                     "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    if edit is not None:
+        edit(header)
+    h = json.dumps(header).encode() + b" " * header_pad
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+@pytest.mark.parametrize("map_file", [False, True])
+def test_weights_read_in_place_equal_safetensors(tmp_path, map_file):
+    """The file read as is or mapped (the loader process's way) gives safetensors' own tensors, also where a writer
+    left the data unaligned (header length not a multiple of 8)."""
+    d = _raw(tmp_path, "a", target_modules=["q_proj", "v_proj", "down_proj"], dtype=torch.bfloat16)
+    sd = {k: v.clone() for k, v in _peft_state(d).items()}
+    want = load_peft_adapter(d, "a", SPEC, torch.float32, 64)
+    for pad in range(8):
+        e = tmp_path / f"pad{pad}"
+        e.mkdir()
+        with open(os.path.join(d, "adapter_config.json")) as f, open(e / "adapter_config.json", "w") as g:
+            g.write(f.read())
+        _write_st(str(e / "adapter_model.safetensors"), sd, header_pad=pad)
+        got = load_peft_adapter(str(e), "a", SPEC, torch.float32, 64, map_file=map_file)
+        assert set(got.a) == set(want.a)
+        assert all(torch.equal(got.a[k], want.a[k]) and torch.equal(got.b[k], want.b[k]) for k in want.a)
+
+
+@pytest.mark.parametrize("map_file", [False, True])
+def test_malformed_safetensors_refused(tmp_path, map_file):
+    import struct
+
+    d = _raw(tmp_path, "a", target_modules=["q_proj"])
+    sd = {k: v.clone() for k, v in _peft_state(d).items()}  # (load_file maps the file this test rewrites)
+    p = os.path.join(d, "adapter_model.safetensors")
+    k0 = sorted(sd)[0]
+
+    def refused(*fragments):
+        with pytest.raises(AdapterLoadError) as ei:
+            load_peft_adapter(d, "bad", SPEC, torch.float32, 64, map_file=map_file)
+        assert "adapter 'bad'" in str(ei.value)
+        for f in fragments:
+            assert f in str(ei.value), str(ei.value)
+
+    def setf(key, field, value):
+        return lambda h: h[key].__setitem__(field, value)
+
+    cases = [
+        (dict(edit=setf(k0, "dtype", "F33")), ["bad entry"]),
+        (dict(edit=setf(k0, "data_offsets", [0, 1 << 40])), ["outside the data"]),
+        (dict(edit=setf(k0, "data_offsets", [0, sd[k0].numel() * 4 - 4])), ["bytes for shape"]),
+        (dict(edit=setf(k0, "shape", [sd[k0].shape[0], -1])), ["negative"]),
+        (dict(edit=lambda h: h.update({k: dict(v, data_offsets=h[k0]["data_offsets"]) for k, v in h.items()
+                                       if k != k0 and v["shape"] == h[k0]["shape"]})), ["overlaps"]),
+        (dict(edit=lambda h: h.clear()), ["holds no tensors"]),
+    ]
+    for kw, fragments in cases:
+        _write_st(p, sd, **kw)
+        refused(*fragments)
+    for raw, fragments in ((b"\x01\x02", ["shorter than"]), (struct.pack("<Q", 1 << 50) + b"{}", ["exceeds the file"]),
+                           (struct.pack("<Q", 4) + b"[1,2", ["not JSON"]),
+                           (struct.pack("<Q", 2) + b"[]", ["not a JSON object"]), (b"", ["shorter than"])):
+        with open(p, "wb") as f:
+            f.write(raw)
+        refused("not a valid safetensors file" if raw else "", *fragments)
+    # a file cut short: the last tensor's bytes run past its end
+    _write_st(p, sd)
+    with open(p, "rb+") as f:
+        f.truncate(os.path.getsize(p) - 8)
+    refused("outside the data")
+
+
+def test_content_hash_follows_the_bytes(tmp_path):
+    """Same config and weights in another folder: the same fingerprint; one weight changed (same size): another."""
+    import shutil
+
+    d = _raw(tmp_path, "a")
+    h = _load(d).content_hash
+    shutil.copytree(d, tmp_path / "copy")
+    assert _load(str(tmp_path / "copy")).content_hash == h
+    sd = {k: v.clone() for k, v in _peft_state(d).items()}
+    k = sorted(sd)[0]
+    sd[k][0, 0] += 1.0
+    from safetensors.torch import save_file
+
+    save_file(sd, os.path.join(d, "adapter_model.safetensors"))
+    assert _load(d).content_hash != h

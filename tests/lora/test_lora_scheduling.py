@@ -38,9 +38,12 @@ def root(tmp_path_factory):
 
 
 def make_llm(base, root, slots: int, **kw) -> LLM:
-    """Device rows for `slots` adapters; every adapter of NAMES read into host memory up front."""
+    """Device rows for `slots` adapters; every adapter of NAMES read into host memory up front. Loads unpaced
+    (lora_load_cpu_share 1.0): a request whose rows the copier still writes is admitted once they are written, not
+    at a later step that depends on the copier thread's timing (tests/lora/test_load_pace.py tests that)."""
     args = dict(adapter_roots=[str(root)], device="cpu", dtype="float32", kv_cache_memory_bytes=16 << 20,
-                max_lora_rank=16, lora_memory_bytes=slots * RANK * ROW, max_host_adapters=64, max_num_seqs=64)
+                max_lora_rank=16, lora_memory_bytes=slots * RANK * ROW, max_host_adapters=64, max_num_seqs=64,
+                lora_load_cpu_share=1.0)
     llm = LLM(base, **(args | kw))
     reg = llm.engine.adapters
     for n in NAMES:
