@@ -11,6 +11,9 @@ from tests.reliability.conftest import MODEL, Stream, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "Write a haiku about the sea."]
 MAX_TOKENS = 64
+# Phase A streams this long: the reloads must be published while they run. A load while requests run takes ~30x its
+# CPU time on the CPU (loads paced to lora_load_cpu_share of a core): about a second each for the demo adapters.
+PHASE_A_TOKENS = 256
 
 
 class Live:
@@ -55,7 +58,11 @@ def refs(offline):
     jobs = [(p, a) for a in (None, "pirate", "robot") for p in PROMPTS]
     outs = offline.generate([p for p, _ in jobs], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
                             lora_names=[a for _, a in jobs])
-    return {job: o.text for job, o in zip(jobs, outs)}
+    out = {job: o.text for job, o in zip(jobs, outs)}
+    long = offline.generate(PROMPTS, SamplingParams(max_tokens=PHASE_A_TOKENS, temperature=0, ignore_eos=True),
+                            lora_names=["pirate"] * len(PROMPTS))
+    out.update({(p, "pirate", PHASE_A_TOKENS): o.text for p, o in zip(PROMPTS, long)})
+    return out
 
 
 def started(reqs, timeout=120.0) -> bool:
@@ -70,7 +77,7 @@ def test_reload_and_unload_while_streaming_each_request_keeps_its_version(server
         assert err is None, err
         v1 = res["result"]["version"]
         # Phase A: admitted while swap = pirate weights (and robot, no adapter alongside).
-        phase_a = [Live(server, p, "swap") for p in PROMPTS]
+        phase_a = [Live(server, p, "swap", PHASE_A_TOKENS) for p in PROMPTS]
         others = [Live(server, PROMPTS[0], "robot"), Live(server, PROMPTS[1], None)]
         live += phase_a + others
         assert started(phase_a + others)
@@ -99,7 +106,8 @@ def test_reload_and_unload_while_streaming_each_request_keeps_its_version(server
         assert late.error is not None and late.error.startswith("lora_name: unknown adapter 'swap'")
         for r in phase_a:
             assert r.error is None, r.error
-            assert r.text == refs[(r.prompt, "pirate")], "a request admitted before the reload saw other weights"
+            assert r.text == refs[(r.prompt, "pirate", PHASE_A_TOKENS)], \
+                "a request admitted before the reload saw other weights"
         for r in phase_b:
             assert r.error is None, r.error
             assert r.text == refs[(r.prompt, "robot")], "a request admitted after the reload saw other weights"
