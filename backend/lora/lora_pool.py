@@ -76,18 +76,23 @@ class RowAllocator:
             self._lens.insert(i, n)
         self.num_free += n
 
+    def take(self, start: int, n: int) -> None:
+        """Allocate exactly rows [start, start + n), which must be free."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if n <= 0 or i < 0 or start + n > self._starts[i] + self._lens[i]:
+            raise ValueError(f"rows [{start}, {start + n}) are not free")
+        s0, ln = self._starts[i], self._lens[i]
+        rest = [(fs, fl) for fs, fl in ((s0, start - s0), (start + n, s0 + ln - start - n)) if fl > 0]
+        self._starts[i:i + 1] = [fs for fs, _ in rest]
+        self._lens[i:i + 1] = [fl for _, fl in rest]
+        self.num_free -= n
+
     @property
     def largest_free(self) -> int:
         return max(self._lens, default=0)
 
     def free_ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._lens))
-
-    def reset(self, used_prefix: int) -> None:
-        """After compaction: rows [0, used_prefix) are used, the rest is one free range."""
-        self._starts = [used_prefix] if used_prefix < self.capacity else []
-        self._lens = [self.capacity - used_prefix] if used_prefix < self.capacity else []
-        self.num_free = self.capacity - used_prefix
 
 
 def stored_row(device: torch.device, dtype: torch.dtype) -> Callable[[int], int]:

@@ -154,10 +154,10 @@ def test_tp2_load_compact_evict_reload_unload_while_serving(tmp_path):
             expect(name, prompt, o)
         assert [reg.list()[i]["row_start"] for i in range(3)] == [0, 2, 6]
         reg.unload("x")
-        reg.unload("z")  # free: rows [0, 2) and [6, cap): w needs cap - 4 together, so y moves to row 0
+        reg.unload("z")  # free: rows [0, 2) and [6, cap): w needs cap - 4 together, so y moves out of [0, cap - 4)
         reg.load("w")
         outs = llm.generate(prompts[:2], p, lora_names=["y", "w"])
-        assert reg.num_compactions == 1 and {d["name"]: d["row_start"] for d in reg.list()} == {"w": 4, "y": 0}
+        assert reg.num_compactions == 1 and {d["name"]: d["row_start"] for d in reg.list()} == {"w": 0, "y": cap - 4}
         expect("y", prompts[0], outs[0])
         expect("w", prompts[1], outs[1])
         # y streams while its files are replaced and it is reloaded (rank 2: w is evicted for its rows)

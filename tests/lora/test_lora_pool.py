@@ -30,8 +30,14 @@ def test_allocator_first_fit_and_coalescing():
     with pytest.raises(ValueError):
         a.alloc(0)
     a.alloc(4)
-    a.reset(7)
-    assert a.free_ranges() == [(7, 3)] and a.num_free == 3
+    a.take(6, 2)  # exactly these rows (a compaction's window and destinations)
+    assert a.free_ranges() == [(4, 2), (8, 2)] and a.num_free == 4
+    a.take(4, 2)
+    a.take(9, 1)
+    assert a.free_ranges() == [(8, 1)] and a.num_free == 1
+    for start, n in ((7, 1), (8, 2), (0, 1), (8, 0)):
+        with pytest.raises(ValueError):
+            a.take(start, n)  # not free (wholly)
     assert RowAllocator(0).alloc(1) is None
 
 
@@ -44,6 +50,12 @@ def test_allocator_random_against_model():
         if used and rng.random() < 0.45:
             s = rng.choice(list(used))
             a.free(s, used.pop(s))
+        elif a.num_free and rng.random() < 0.2:  # take a random run inside a free range
+            fs, fl = rng.choice(a.free_ranges())
+            s, n = fs + rng.randrange(fl), 1
+            n = rng.randint(1, fs + fl - s)
+            a.take(s, n)
+            used[s] = n
         else:
             n = rng.randint(1, 12)
             s = a.alloc(n)
