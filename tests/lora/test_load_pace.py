@@ -56,8 +56,8 @@ def _schedstat_cpu(pid: int) -> float:
 
 def test_loader_process_holds_the_share_the_engine_sets(tmp_path):
     """The child maps the engine's LoadShare: at 0.1 of a core, its CPU time for a load is at most 0.1 of the load's
-    wall time plus what runs between pauses (a bound that only pacing meets: unpaced, its CPU time is about its wall
-    time); the weights are those it loads unpaced."""
+    wall time plus what runs after its last pause (a bound only pacing meets: unpaced, its CPU time is about its
+    wall time); the weights are those it loads unpaced."""
     cfg = types.SimpleNamespace(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536,
                                 num_hidden_layers=12, architectures=["LlamaForCausalLM"])
     spec = LoraModelSpec.from_hf_config(cfg)
@@ -78,7 +78,7 @@ def test_loader_process_holds_the_share_the_engine_sets(tmp_path):
         paced = load("paced")
         cpu, wall = _schedstat_cpu(lp.pid) - c0, time.perf_counter() - t0
         assert cpu > 0.005, cpu  # enough work for the bound to mean something
-        assert cpu <= 0.1 * wall + 0.004, (cpu, wall)
+        assert cpu <= 0.1 * wall + 0.006, (cpu, wall)  # the last piece and the reply are not paused for
         share.set(1.0)
         unpaced = load("paced")
         assert all(torch.equal(paced.a[g], unpaced.a[g]) and torch.equal(paced.b[g], unpaced.b[g]) for g in paced.a)
