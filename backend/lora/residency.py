@@ -187,8 +187,9 @@ class RowResidency:
         free range outside it (first fit, largest first); the window's rows are then taken -> its start. A compaction
         moves the holders of one window of n rows (fewer than n + max_lora_rank rows: rank 16 on the default model's
         float32 pools, under 32 rows, 2.4 ms on a 2-core Zen 5 VM), never the whole pool (moving half of its 256 MiB
-        pool took 20 ms there): it never stalls a step for much longer than writing the adapter it makes room for. None: no window can be emptied so (an eviction makes
-        room instead). Rows are read per step: moving them between steps is safe (meta built afterwards sees them)."""
+        pool took 20 ms there): it never stalls a step for much longer than writing the adapter it makes room for.
+        None: no window can be emptied so (an eviction makes room instead). Rows are read per step: moving them between
+        steps is safe (meta built afterwards sees them)."""
         pool = self.pools[space]
         holders = sorted(((v.rows[space], v.ranks[space], v) for v in self.versions if v.rows[space] >= 0),
                          key=lambda h: h[0])
