@@ -2,17 +2,19 @@
 function that makes the per-group A / B^T tensors) in a process of its own, and hands the laid-out weights back in
 shared memory.
 
-Why a process: a load of a rank-16 adapter of the default model is ~200 ms of reading, parsing, checking and
+Why a process: a load of a rank-16 adapter of the default model is tens of ms of reading, parsing, checking and
 converting. On a thread of the engine's process it holds the interpreter between its torch ops (the engine loop
 waits for it) and its ops take a core from the compute threads' team (the step waits for its slowest thread): the
-running streams' steps doubled during loads. The child runs at a low CPU priority (NICE) with one torch thread, so
-the kernel gives the engine's threads the cores first; the engine's process only maps the result.
+running streams' steps doubled during loads. The child runs at a low CPU priority (NICE) with one torch thread, paced
+to the CPU share the engine sets each step (loom.lora.load_pace); the engine's process only views the result.
 
-Hand-over: the child lays every tensor of the AdapterWeights out (MemfdAlloc), in the layout the host tier keeps and
-the pools take (A [group layers, (E,) S, r, in], B^T [group layers, (E,) r, out]), at 64-byte aligned offsets in one
-anonymous memory file (memfd_create: no name, nothing left in /dev/shm whatever happens), and sends its descriptor
-(SCM_RIGHTS) with the offsets, shapes and dtypes. The parent maps it; the host tier's tensors are views of the mapping
-(freed with them): no copy on either side; the copy into device rows is loom.lora.residency's, off the step's path.
+Hand-over: the child lays every tensor of the AdapterWeights out (SlotAlloc), in the layout the host tier keeps and
+the pools take (A [group layers, (E,) S, r, in], B^T [group layers, (E,) r, out]), at 64-byte aligned offsets in a
+slot of the engine's arena (loom.lora.load_arena: anonymous memory files both processes keep mapped, their
+descriptors sent once over the job socket, SCM_RIGHTS): it asks for a slot of the layout's size ("need"), the engine
+allocates it, the child writes there and sends the offsets, shapes and dtypes. The host tier's tensors are views of
+the slot (freed with the last of them): no copy on either side, and pages earlier loads faulted in are written again;
+the copy into device rows is loom.lora.residency's, off the step's path.
 
 Lifetime: started at the first job (a fresh interpreter, as multiprocessing's spawn, but never re-running the
 engine's __main__), owned by the registry: `close()` sends a stop, joins, then terminates /
@@ -24,7 +26,6 @@ the registry's single loader thread is the only caller of `load`.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -37,7 +38,8 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import torch
 
-from loom.lora.load_pace import LoadShare, Pacer
+from loom.lora.load_arena import Arena, ChunkMaps, views
+from loom.lora.load_pace import PIECE_BYTES, LoadShare, Pacer
 from loom.lora.peft_config import AdapterConfigInfo, AdapterLoadError
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapter
 
@@ -70,13 +72,14 @@ def _python() -> str:
     return os.path.join(sys.exec_prefix, "bin", "python3")
 
 
-class MemfdAlloc:
-    """Child: load_peft_adapter's allocation (peft_loader.Alloc) in one anonymous memory file (zero-filled, as the
-    layout needs), so the laid-out weights are written where the parent maps them: no copy into the file after the
-    load (7 of a rank-16 bfloat16 adapter's ~32 ms of CPU). The descriptor is the caller's to close."""
+class SlotAlloc:
+    """Child: load_peft_adapter's allocation (peft_loader.Alloc) in a slot of the engine's arena
+    (loom.lora.load_arena): asks the engine for a slot of the layout's size ("need"), maps any chunk it is sent, and
+    returns the slot's views, zeroed (the layout writes only what the adapter targets)."""
 
-    def __init__(self, name: str):
-        self.name, self.fd, self.layout, self.size = name, -1, {"a": {}, "b": {}}, 0
+    def __init__(self, conn, chunks: ChunkMaps, pace):
+        self.conn, self.chunks, self.pace = conn, chunks, pace
+        self.layout, self.size, self.slot = {"a": {}, "b": {}}, 0, None
 
     def __call__(self, shapes, dtype: torch.dtype) -> dict:
         off = 0
@@ -84,48 +87,28 @@ class MemfdAlloc:
             self.layout[kind][g] = (off, tuple(shape), dtype)
             off += -(-torch.Size(shape).numel() * dtype.itemsize // _ALIGN) * _ALIGN
         self.size = max(off, _ALIGN)
-        self.fd = os.memfd_create(f"loom-lora-{self.name}"[:240], os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.size)
-        return {(kind, g): t for kind, parts in _views(self.fd, self.layout, self.size).items()
-                for g, t in parts.items()}
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _views(fd: int, layout: dict, size: int) -> dict:
-    """{"a"/"b": {group: tensor}} viewing the memory file; the mapping lives as long as any of them."""
-    buf = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
-    return {kind: {g: buf[off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
-                   for g, (off, shape, dtype) in layout[kind].items()} for kind in ("a", "b")}
+        self.conn.send(("need", self.size))
+        while True:
+            msg = self.conn.recv()
+            if msg[0] == "chunk":
+                self.chunks.add(msg[1], recv_handle(self.conn), msg[2])
+                continue
+            _, cid, slot_off = msg
+            break
+        self.slot = (cid, slot_off)
+        buf = self.chunks.slot(cid, slot_off, self.size, self.pace, PIECE_BYTES)
+        return {(kind, g): t for kind, parts in views(buf, self.layout).items() for g, t in parts.items()}
 
 
-def load_packed(path: str, name: str, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int,
-                config: AdapterConfigInfo, pace=None) -> tuple[int, dict]:
-    """Child: one adapter read and laid out straight into a memory file -> (its descriptor, what `unpack` needs).
-    pace: the child's Pacer (loom.lora.load_pace), called between pieces of the work."""
-    mem = MemfdAlloc(name)
-    try:
-        w = load_peft_adapter(path, name, spec, dtype, max_lora_rank, config=config, alloc=mem, map_file=True,
-                              **({"pace": pace} if pace is not None else {}))
-    except BaseException:
-        mem.close()
-        raise
-    meta = {"name": w.name, "path": w.path, "rank": w.rank, "scaling": w.scaling, "target_modules": w.target_modules,
-            "content_hash": w.content_hash, "ranks": w.ranks, "layout": mem.layout, "size": mem.size}
-    return mem.fd, meta
-
-
-def unpack(fd: int, meta: dict) -> AdapterWeights:
-    """Parent: map the child's memory file (the descriptor is closed here) -> AdapterWeights viewing it."""
-    try:
-        parts = _views(fd, meta["layout"], meta["size"])
-    finally:
-        os.close(fd)
-    return AdapterWeights(meta["name"], meta["path"], meta["rank"], meta["scaling"], parts["a"], parts["b"],
-                          meta["target_modules"], meta["content_hash"], meta["ranks"])
+def load_packed(conn, chunks: ChunkMaps, path: str, name: str, spec: LoraModelSpec, dtype: torch.dtype,
+                max_lora_rank: int, config: AdapterConfigInfo, pace) -> dict:
+    """Child: one adapter read and laid out straight into a slot of the engine's arena -> what the engine's `adopt`
+    needs. pace: the child's Pacer (loom.lora.load_pace), called between pieces of the work."""
+    mem = SlotAlloc(conn, chunks, pace)
+    w = load_peft_adapter(path, name, spec, dtype, max_lora_rank, config=config, alloc=mem, map_file=True, pace=pace)
+    return {"name": w.name, "path": w.path, "rank": w.rank, "scaling": w.scaling, "target_modules": w.target_modules,
+            "content_hash": w.content_hash, "ranks": w.ranks, "layout": mem.layout, "size": mem.size,
+            "slot": mem.slot}
 
 
 def _watch_parent(parent: int) -> None:
@@ -139,13 +122,16 @@ def _watch_parent(parent: int) -> None:
 
 def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_lora_rank: int,
                share_fd: int) -> None:
-    """The loader process of engine process `parent`: jobs (path, name, config) -> ("ok", meta) + the memory file's
-    descriptor, or ("error", message naming the adapter); None or end-of-file: exit. share_fd: the engine's
-    LoadShare (the CPU share its loads may take, loom.lora.load_pace), which paces every job."""
+    """The loader process of engine process `parent`: jobs (path, name, config, chunks to drop) -> ("need", bytes)
+    answered by the engine's ("chunk", id, size) + its descriptor (a chunk this process has not mapped yet) and
+    ("slot", chunk id, offset); then ("ok", meta) or ("error", message naming the adapter); None or end-of-file:
+    exit. share_fd: the engine's LoadShare (the CPU share its loads may take, loom.lora.load_pace), which paces every
+    job."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the engine's terminal: the engine stops it
     torch.set_num_threads(1)  # (its priority was lowered by _BOOT before any import)
     pace = Pacer(LoadShare(share_fd).get)
+    chunks = ChunkMaps()
     while True:
         try:
             job = conn.recv()
@@ -153,20 +139,19 @@ def child_main(conn, parent: int, spec: LoraModelSpec, dtype: torch.dtype, max_l
             return
         if job is None:
             return
-        path, name, config = job
+        path, name, config, dropped = job
+        chunks.drop(dropped)
         try:
-            fd, meta = load_packed(path, name, spec, dtype, max_lora_rank, config, pace)
+            meta = load_packed(conn, chunks, path, name, spec, dtype, max_lora_rank, config, pace)
         except AdapterLoadError as e:
             conn.send(("error", str(e)))
             continue
+        except (EOFError, OSError):
+            return
         except Exception as e:  # noqa: BLE001 - report, never end the loader on one adapter
             conn.send(("error", f"adapter {name!r}: unexpected error while loading: {e!r}"))
             continue
-        try:
-            conn.send(("ok", meta))
-            send_handle(conn, fd, parent)
-        finally:
-            os.close(fd)
+        conn.send(("ok", meta))
 
 
 def _stop(state: dict, timeout: float) -> None:
@@ -198,6 +183,8 @@ class LoaderProcess:
         its own, a whole core (unpaced)."""
         self._own_share = share is None
         self._args, self._nice, self._share = (spec, dtype, max_lora_rank), nice, share or LoadShare()
+        self.arena = Arena()  # where the child lays adapters out (loom.lora.load_arena)
+        self._sent_chunks: set[int] = set()  # the arena's chunks the running child has mapped
         self._state: dict = {}  # "proc", "conn" while one runs
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, self._state, 0.0)
@@ -221,22 +208,37 @@ class LoaderProcess:
         log.info("adapter loader process started (pid %d)", proc.pid)
 
     def load(self, path: str, name: str, config: AdapterConfigInfo) -> AdapterWeights:
-        """Read and lay out one adapter in the loader process (started here if none runs). Raises AdapterLoadError
-        (the child's, or its death's). A child found dead is replaced and the job sent once more (it may have died
-        between jobs; a job that kills it twice fails)."""
+        """Read and lay out one adapter in the loader process (started here if none runs), into a slot of the arena.
+        Raises AdapterLoadError (the child's, or its death's). A child found dead is replaced and the job sent once
+        more (it may have died between jobs; a job that kills it twice fails)."""
         for attempt in (1, 2):
             if self._closed:
                 raise AdapterLoadError(f"adapter {name!r}: the engine is shutting down")
             if "proc" not in self._state:
                 self._start()
+                self._sent_chunks = set()  # a new process has mapped none
             conn, proc = self._state["conn"], self._state["proc"]
+            slot = None
             try:
-                conn.send((path, name, config))
-                status, payload = conn.recv()
-                if status == "error":
-                    raise AdapterLoadError(payload)
-                fd = recv_handle(conn)
-                break
+                conn.send((path, name, config, self.arena.dropped()))
+                while True:
+                    msg = conn.recv()
+                    if msg[0] == "need":
+                        slot = (*self.arena.alloc(msg[1])[:2], msg[1])
+                        if slot[0] not in self._sent_chunks:
+                            fd, size = self.arena.fd(slot[0])
+                            conn.send(("chunk", slot[0], size))
+                            send_handle(conn, fd, proc.pid)
+                            self._sent_chunks.add(slot[0])
+                        conn.send(("slot", slot[0], slot[1]))
+                        continue
+                    if msg[0] == "error":
+                        raise AdapterLoadError(msg[1])
+                    meta = msg[1]
+                    parts = self.arena.adopt(*slot, meta["layout"])
+                    slot = None  # its tensors free it now
+                    return AdapterWeights(meta["name"], meta["path"], meta["rank"], meta["scaling"], parts["a"],
+                                          parts["b"], meta["target_modules"], meta["content_hash"], meta["ranks"])
             except (EOFError, OSError) as e:
                 try:
                     proc.wait(1.0)
@@ -248,12 +250,16 @@ class LoaderProcess:
                     why = "was stopped" if self._closed else f"exited (code {code}, {e!r})"
                     raise AdapterLoadError(f"adapter {name!r}: the adapter loader process {why} while loading it") \
                         from None
-        return unpack(fd, payload)
+            finally:
+                if slot is not None:
+                    self.arena.free(*slot)
+        raise AssertionError("unreachable")
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the child (idempotent); a load in flight fails."""
         self._closed = True
         self._finalizer.detach()
         _stop(self._state, timeout)
+        self.arena.close()
         if self._own_share:
             self._share.close()

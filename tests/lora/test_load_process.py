@@ -2,7 +2,7 @@
 step while one adapter's fetch from a slow source stalls; a corrupt adapter fails its own request only; the weights it
 hands back are exactly load_peft_adapter's; a loader that died is replaced at the next load; the process is gone after
 the engine closes and after the engine's process is killed. Each test starts loader processes (a fresh interpreter
-importing torch, seconds): two tests, the second without an engine."""
+importing torch, seconds): three tests, the last two without an engine."""
 from __future__ import annotations
 
 import os
@@ -158,3 +158,55 @@ def test_loader_process_exits_when_the_engine_process_is_killed(tmp_path):
         proc.kill()
         proc.wait()
     assert wait_gone(child), "the loader process outlived the engine's process"
+
+
+def test_arena_slots_are_reused_zeroed_and_freed_with_their_tensors(tmp_path):
+    """The loader lays adapters out in slots of the engine's arena (loom.lora.load_arena): a slot is free again once
+    the last tensor viewing it is gone, a later load written into it (q_proj only, after one on all projections) reads
+    back exactly as load_peft_adapter lays it out (zeros where it targets nothing: nothing of the earlier adapter
+    left), and a chunk emptied while a newer one exists is closed."""
+    import gc
+
+    import torch
+
+    from loom.lora import LoraModelSpec
+    from loom.lora.load_process import LoaderProcess
+    from loom.lora.peft_config import read_adapter_config
+
+    cfg = tiny_llama_config()
+    spec = LoraModelSpec.from_hf_config(cfg)
+    full = write_raw_adapter(str(tmp_path / "full"), cfg, seed=1, r=8, alpha=16,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"])
+    q_only = write_raw_adapter(str(tmp_path / "q"), cfg, seed=2, r=8, alpha=16, target_modules=["q_proj"])
+    lp = LoaderProcess(spec, torch.float32, 16)
+    lp.arena.chunk_bytes = 1 << 16  # small chunks: a few slots each, so that chunks fill, empty and close here
+    try:
+        def load(path, name):
+            return lp.load(path, name, read_adapter_config(path, name, 16))
+
+        first = load(full, "full")
+        base = first.a["qkv_proj"].data_ptr()
+        del first
+        gc.collect()
+        reused = load(q_only, "q")  # written where `full` was (its slot free with its tensors)
+        assert reused.a["qkv_proj"].data_ptr() == base
+        want = load_peft_adapter(q_only, "q", spec, torch.float32, 16)
+        assert set(reused.a) == set(want.a)  # k / v slices zero: nothing of `full` left
+        assert all(torch.equal(reused.a[g], want.a[g]) and torch.equal(reused.b[g], want.b[g]) for g in want.a)
+        view = reused.a["qkv_proj"][0]
+        del reused
+        gc.collect()
+        other = load(q_only, "q2")  # the slot is still viewed: another one
+        assert other.a["qkv_proj"].data_ptr() != base
+        del view
+        gc.collect()
+        assert load(q_only, "q3").a["qkv_proj"].data_ptr() == base  # free with its last view
+        many = [load(full, f"full{i}") for i in range(6)]  # several chunks
+        grown = lp.arena.bytes()
+        del many
+        gc.collect()
+        load(q_only, "q")  # an alloc closes the emptied chunks but the newest
+        assert lp.arena.bytes() < grown
+    finally:
+        lp.close()
