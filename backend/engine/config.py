@@ -67,7 +67,7 @@ class EngineConfig:
     # 0 = strict arrival order (FCFS).
     max_lora_wait_steps: int = 32
     # Adapters whose weights file has at least this many bytes are read and laid out by the engine's loader process
-    # (loom.lora.load_process: off the interpreter and at a low CPU priority, so loads do not slow running streams);
+    # (loom.lora.load_process: off the interpreter, paced to lora_load_cpu_share, so loads do not slow running streams);
     # smaller ones on the loader thread (their work is shorter than the process's start).
     lora_load_process_min_bytes: int = 1 << 20
     # On the CPU, the share of one core adapter loads (the loader process's reading and layout, the copies into the

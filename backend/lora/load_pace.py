@@ -71,8 +71,9 @@ class Pacer:
     share() of the time passed, in pauses of at least `quantum` seconds of CPU. Its first call (on that thread)
     starts the count: call it before a load's first piece."""
 
-    def __init__(self, share: Callable[[], float], quantum: float = 1e-3):
-        self._share, self.quantum = share, quantum
+    def __init__(self, share: Callable[[], float], quantum: float = 1e-3, wake=None):
+        """wake: a threading.Event that ends a pause early when set (someone waits for this thread's work)."""
+        self._share, self.quantum, self._wake = share, quantum, wake
         self._t0: float | None = None
 
     def __call__(self) -> None:
@@ -84,5 +85,9 @@ class Pacer:
             return
         share = self._share()
         if share < 1.0:
-            time.sleep(used * (1.0 / max(share, 1e-3) - 1.0))
+            pause = used * (1.0 / max(share, 1e-3) - 1.0)
+            if self._wake is None:
+                time.sleep(pause)
+            else:
+                self._wake.wait(pause)
         self._t0 = time.thread_time()

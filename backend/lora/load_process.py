@@ -5,7 +5,7 @@ shared memory.
 Why a process: a load of a rank-16 adapter of the default model is tens of ms of reading, parsing, checking and
 converting. On a thread of the engine's process it holds the interpreter between its torch ops (the engine loop
 waits for it) and its ops take a core from the compute threads' team (the step waits for its slowest thread): the
-running streams' steps doubled during loads. The child runs at a low CPU priority (NICE) with one torch thread, paced
+running streams' steps doubled during loads. The child runs with one torch thread (priority NICE), paced
 to the CPU share the engine sets each step (loom.lora.load_pace); the engine's process only views the result.
 
 Hand-over: the child lays every tensor of the AdapterWeights out (SlotAlloc), in the layout the host tier keeps and
@@ -45,20 +45,20 @@ from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapt
 
 log = logging.getLogger("loom")
 
-# The child's CPU priority: a trade between the running streams' steps and the requests waiting for their adapter.
-# 19 starved it on a 2-core box whose two compute threads kept both cores busy (loads never ended); at 10 a rank-16
-# load of the default model took ~0.45 s under load, and with 1,000 adapters (bench_lora --adapters 1000 --popularity
-# zipf:1.0, 120 disk reads in a run) the reads queued behind each other: 0.23x the one-adapter tokens/s, queue times
-# past the admission bound, no recovery after a popularity shift. At 5: 0.59x (0 gave the same), every queue time
-# within the bound, recovered at once; the steps while a load runs are slower (bench_lora --load-during).
-NICE = 5
+# The child's CPU priority (nice). Its CPU share is the pacer's (loom.lora.load_pace), which holds it to
+# lora_load_cpu_share of a core while requests run; the priority only decides how much of a core it gets when the share
+# is larger (requests waiting for their adapters) and every core is busy. At 5 (before the pacing) it got about a
+# quarter of a core there: bench_lora --adapters 1000 --popularity zipf:1.0 read adapters p50 5.0 s after their
+# request (0.49-0.53x the one-adapter tokens/s); at 0 2.7 s (0.59x), every queue within the admission bound, and the
+# steps while it loads paced as slow as at 5 (--load-during: p50 +1%). Its boot (importing torch and loom, ~2 s of CPU
+# at its first load) is not paced.
+NICE = 0
 _ALIGN = 64
 
 
-# The child: a fresh interpreter (nothing of the engine's process inherited), which lowers its CPU priority to
-# argv[2] first (its imports of torch and loom are seconds of CPU: at the engine's priority they would take a core
-# from the running streams), then takes the engine's sys.path and its arguments over the socket it is given
-# (argv[1]); never the engine's __main__ (as multiprocessing's spawn would).
+# The child: a fresh interpreter (nothing of the engine's process inherited), which sets its CPU priority to argv[2]
+# first (before its imports, seconds of CPU), then takes the engine's sys.path and its arguments over the socket it is
+# given (argv[1]); never the engine's __main__ (as multiprocessing's spawn would).
 _BOOT = ("import os, sys\ntry:\n    os.nice(int(sys.argv[2]))\nexcept OSError:\n    pass\n"
          "from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
          "sys.path[:0] = [p for p in c.recv() if p not in sys.path]; "

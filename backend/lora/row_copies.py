@@ -15,6 +15,7 @@ The stream operations go through `CudaStreams`, so that the ordering is tested o
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable
 
@@ -52,10 +53,10 @@ class RowCopies:
         self._copier = None if streams is not None else ThreadPoolExecutor(
             1, thread_name_prefix="loom-lora-copy", initializer=serial_thread)
         self._pending: dict[Hashable, Future | object] = {}  # copies in flight, the latest per key (version)
-        self._urgent = False  # the loop waits for the copier
+        self._urgent = threading.Event()  # the loop waits for the copier: no pauses, and a pause under way ends
         # the CPU copier's pacer, for `copy` to call between its pieces (None: never paused)
-        self.pace = Pacer(lambda: 1.0 if self._urgent else share()) if share is not None and streams is None \
-            else None
+        self.pace = Pacer(lambda: 1.0 if self._urgent.is_set() else share(), wake=self._urgent) \
+            if share is not None and streams is None else None
 
     def close(self) -> None:
         if self._copier is not None:
@@ -109,8 +110,8 @@ class RowCopies:
         if copy.done():
             copy.result()
             return
-        self._urgent = True
+        self._urgent.set()
         try:
             copy.result()
         finally:
-            self._urgent = False
+            self._urgent.clear()

@@ -48,6 +48,21 @@ def test_pacer_sleeps_its_cpu_time_over_the_share(monkeypatch):
     assert len(slept) == 2
 
 
+def test_pacer_pause_ends_when_woken():
+    """A pause of ~1 s (1 ms of CPU at 0.001 of a core) ends as soon as its wake event is set (the loop waits for the
+    copier: RowCopies' urgent waits)."""
+    wake = threading.Event()
+    pace = Pacer(lambda: 0.001, quantum=1e-3, wake=wake)
+    pace()
+    t = time.thread_time()
+    while time.thread_time() - t < 1.5e-3:
+        pass
+    threading.Timer(0.05, wake.set).start()
+    t0 = time.perf_counter()
+    pace()
+    assert time.perf_counter() - t0 < 0.9  # unwoken it would pause >= 1.5 s
+
+
 def _schedstat_cpu(pid: int) -> float:
     """Seconds on a CPU of every thread of process pid (/proc/<pid>/schedstat: nanoseconds)."""
     with open(f"/proc/{pid}/schedstat") as f:

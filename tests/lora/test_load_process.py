@@ -100,7 +100,7 @@ def test_loads_in_the_process_never_stall_other_adapters(tiny_base, adapter_set,
     # what the process handed back is exactly the in-process layout (not a copy of it: a mapping of the child's file)
     pid = reg.loader_pid
     assert pid is not None and pid != os.getpid()
-    # at a lower CPU priority than the engine (set before its imports, by its boot line)
+    # at the CPU priority load_process.NICE sets relative to the engine's (before its imports, by its boot line)
     from loom.lora.load_process import NICE
 
     mine = os.getpriority(os.PRIO_PROCESS, 0)
