@@ -55,7 +55,7 @@ from loom.lora.adapter_paths import resolve_adapter_path, validate_adapter_name
 from loom.lora.adapter_sources import AdapterSources, is_uri
 from loom.lora.adapter_version import DENSE, EXPERT, SPACE_FIELDS, SPACE_NAMES, AdapterRef, AdapterVersion
 from loom.lora.batch_meta import build_lora_meta
-from loom.lora.load_pace import LoadShare, load_share
+from loom.lora.load_pace import PIECE_BYTES, LoadShare, load_share
 from loom.lora.load_process import LoaderProcess
 from loom.lora.lora_pool import LoraPool
 from loom.lora.lora_stats import DISK_TO_HOST, HOST_TO_DEVICE, REMOTE_TO_HOST, LoadLog, LoraStats
@@ -355,10 +355,11 @@ class AdapterRegistry:
                     return False  # rows taken in the other space stay cached (evictable, not pinned)
                 self.load_log.record(HOST_TO_DEVICE, time.perf_counter() - t0)
                 self.residency.trim_host()
-            elif self.residency.copying(v) and self.load_share.get() < 1.0:
+            elif self.residency.copying(v) and self.load_share.get() < 1.0 and v.host.nbytes > PIECE_BYTES:
                 return False  # placed ahead (prefetch), the CPU copier still writes its rows, paced: not waited for
             self.residency.sync(v)  # its copy ends before the step reads (CPU: waited for, unpaced, if placed just
-            # now or if loads may take a whole core: nothing runs, or a request is overdue)
+            # now, if loads may take a whole core - nothing runs, or a request is overdue -, or if the copy is one
+            # piece, which the pacer never pauses: a small adapter's request is not put off a step for it)
             v.active += 1
             ref.active = True
             self._touch(v)

@@ -122,11 +122,12 @@ def patient_engine(tiny_base, adapter_set):
     llm.close()
 
 
-def test_the_loop_never_waits_for_a_paced_copy(patient_engine, tiny_base, adapter_set):
+def test_the_loop_never_waits_for_a_paced_copy(patient_engine, tiny_base, adapter_set, monkeypatch):
     """The copier held inside its first piece while a request runs (loads paced): the adapter's request is not run
     (its rows are not written) while the base request gets a token every step; released, the adapter's tokens are
     PEFT's."""
     eng, reg = patient_engine.engine, patient_engine.engine.adapters
+    monkeypatch.setattr(registry_mod, "PIECE_BYTES", 0)  # the tiny adapter's copy counts as several pieces
     reg.load("a4")  # read into host memory first
     gate, guard = threading.Event(), threading.Timer(60, lambda: gate.set())
     guard.start()
