@@ -261,8 +261,9 @@ class AdapterRegistry:
         """The tiers' sizes and counters, and the recent load latencies (loom.lora.lora_stats); one pass over the
         versions."""
         with self._lock:
-            device = host = host_bytes = 0
+            device = host = host_bytes = device_bytes = 0
             for v in self._versions:
+                device_bytes += sum(r * p.row_bytes for r, p, at in zip(v.ranks, self.pools, v.rows) if at >= 0)
                 if v.resident:
                     device += 1
                 elif v.host is not None:
@@ -272,7 +273,9 @@ class AdapterRegistry:
             return LoraStats(device_adapters=device, host_adapters=host, host_bytes=host_bytes,
                              device_evictions=self.num_evictions, host_evictions=self.residency.host_evictions,
                              cache_bytes=cache.bytes if cache else 0, cache_evictions=cache.evictions if cache else 0,
-                             remote_fetches=cache.fetches if cache else 0, loads=self.load_log.recent())
+                             remote_fetches=cache.fetches if cache else 0, device_bytes=device_bytes,
+                             compactions=self.num_compactions, load_cpu_share=self.load_share.get(),
+                             loads=self.load_log.recent())
 
     def tier_of(self, name: str) -> str:
         """Where the current version of `name` is ("device", "host", "disk", "loading", "failed"); "" if the name is not

@@ -34,6 +34,9 @@ class LoraStats:
     cache_bytes: int = 0  # the fetched adapters' local cache
     cache_evictions: int = 0  # since start: cache entries dropped for the byte budget
     remote_fetches: int = 0  # since start: transfers from the adapter sources
+    device_bytes: int = 0  # bytes of the device rows versions hold (every space)
+    compactions: int = 0  # since start: compactions of device rows (every space)
+    load_cpu_share: float = 1.0  # the CPU share loads may take now (loom.lora.load_pace; 1.0 on CUDA: unpaced)
     loads: tuple[AdapterLoad, ...] = ()  # the most recent, oldest first
 
 

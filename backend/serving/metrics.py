@@ -13,7 +13,9 @@ Two name sets, chosen by config (`metrics`, `vllm_metrics` / vllm_backend's REPO
 * loom_lora_*, for routers and dashboards of many adapters (in the loom set): requests running / waiting per adapter
   (`lora_name`; series only for adapters with requests, replaced like vllm:lora_requests_info's), the latency of
   adapter loads by `tier` (disk_to_host, remote_to_host, host_to_device: loom.lora.lora_stats), adapters and bytes
-  per memory tier, evictions per tier (device, host, cache), fetches from the adapter sources.
+  per memory tier (loom_lora_device_bytes: the device rows adapters hold), evictions per tier (device, host, cache),
+  compactions of the device rows, fetches from the adapter sources, and the CPU share adapter loads may take now
+  (loom_lora_load_cpu_share: loom.lora.load_pace; below 1 while the loads are paced).
 
 `pb_utils` is passed in (only backend/model.py imports triton_python_backend_utils) and the families
 must be created inside `initialize()`. Each metric call is an IPC round trip to the server, so the
@@ -130,6 +132,10 @@ class LoomMetrics:
                                "for another; host: dropped to disk; cache: dropped from the local cache).", MF.COUNTER)
             self.lora_evictions = {t: evictions.Metric(labels={**labels, "tier": t}) for t in LORA_EVICTION_TIERS}
             self.lora_fetches = counter("loom_lora_fetches_total", "Adapters transferred from the adapter sources.")
+            self.lora_device_bytes = gauge("loom_lora_device_bytes", "Bytes of the device LoRA rows adapters hold.")
+            self.lora_compactions = counter("loom_lora_compactions_total", "Compactions of the device LoRA rows.")
+            self.lora_load_share = gauge("loom_lora_load_cpu_share", "The share of one CPU core adapter loads may "
+                                         "take now (lora_load_cpu_share, more when requests wait; 1: unpaced).")
             self._lora_seen = LoraStats()  # the counters and the last load already exported
             self._lora_load_seq = 0
         if self.vllm:
@@ -265,10 +271,13 @@ class LoomMetrics:
         self._set(self.lora_tiers["host"], float(lora.host_adapters))
         self._set(self.lora_host_bytes, float(lora.host_bytes))
         self._set(self.lora_cache_bytes, float(lora.cache_bytes))
+        self._set(self.lora_device_bytes, float(lora.device_bytes))
+        self._set(self.lora_load_share, float(lora.load_cpu_share))
         for metric, now, before in ((self.lora_evictions["device"], lora.device_evictions, seen.device_evictions),
                                     (self.lora_evictions["host"], lora.host_evictions, seen.host_evictions),
                                     (self.lora_evictions["cache"], lora.cache_evictions, seen.cache_evictions),
-                                    (self.lora_fetches, lora.remote_fetches, seen.remote_fetches)):
+                                    (self.lora_fetches, lora.remote_fetches, seen.remote_fetches),
+                                    (self.lora_compactions, lora.compactions, seen.compactions)):
             if now > before:  # counters only ever get positive increments
                 metric.increment(now - before)
         self._lora_seen = lora

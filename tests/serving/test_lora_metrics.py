@@ -39,11 +39,11 @@ def test_per_adapter_requests_are_replaced_with_the_adapter_set():
 
 def test_load_latencies_tiers_evictions_and_fetches():
     first = LoraStats(device_adapters=2, host_adapters=1, host_bytes=1000, device_evictions=1, cache_bytes=5000,
-                      remote_fetches=1, loads=(AdapterLoad(1, "remote_to_host", 2.0),
-                                               AdapterLoad(2, "host_to_device", 0.001)))
+                      remote_fetches=1, device_bytes=4096, compactions=1, load_cpu_share=0.03,
+                      loads=(AdapterLoad(1, "remote_to_host", 2.0), AdapterLoad(2, "host_to_device", 0.001)))
     second = LoraStats(device_adapters=2, host_adapters=0, host_bytes=0, device_evictions=3, host_evictions=1,
-                       cache_bytes=5000, cache_evictions=1, remote_fetches=1,
-                       loads=first.loads + (AdapterLoad(3, "disk_to_host", 0.01),))
+                       cache_bytes=5000, cache_evictions=1, remote_fetches=1, device_bytes=6144, compactions=3,
+                       load_cpu_share=0.25, loads=first.loads + (AdapterLoad(3, "disk_to_host", 0.01),))
     fams = run([EngineStats(lora=first), EngineStats(lora=second)])
     assert ops(fams, "loom_lora_load_seconds", tier="remote_to_host") == [("obs", 2.0)]  # each load once
     assert ops(fams, "loom_lora_load_seconds", tier="host_to_device") == [("obs", 0.001)]
@@ -57,6 +57,9 @@ def test_load_latencies_tiers_evictions_and_fetches():
     assert ops(fams, "loom_lora_evictions_total", tier="host") == [("inc", 1)]
     assert ops(fams, "loom_lora_evictions_total", tier="cache") == [("inc", 1)]
     assert ops(fams, "loom_lora_fetches_total") == [("inc", 1)]
+    assert ops(fams, "loom_lora_device_bytes") == [("set", 4096.0), ("set", 6144.0)]
+    assert ops(fams, "loom_lora_compactions_total") == [("inc", 1), ("inc", 2)]
+    assert ops(fams, "loom_lora_load_cpu_share") == [("set", 0.03), ("set", 0.25)]
 
 
 def test_lora_requests_info_lists_the_adapter_sets():
