@@ -131,6 +131,8 @@ class TritonPythonModel:
 
         # built on a thread of its own: its OpenMP team ends with it, and the loop thread's is the only one
         self.engine = on_a_passing_thread(lambda: LLMEngine(cfg.engine))
+        if cfg.engine.adapter_roots or cfg.engine.adapter_sources:  # adapters to serve: the loader boots now, not
+            self.engine.adapters.start_loader()  # at the first large load while requests stream (its boot is unpaced)
         # input_ids longer than the engine accepts are refused before they are converted to a list
         self.limits.max_prompt_tokens = cfg.engine.max_prompt_tokens or max(1, self.engine.max_model_len - 1)
         # The loop thread decodes with engine.tokenizer; fast tokenizers are not safe to share across

@@ -170,6 +170,12 @@ class AdapterRegistry:
         self.residency.close()
         self.load_share.close()
 
+    def start_loader(self) -> None:
+        """Boot the loader process now, in the background (on the loader thread, before any load queued after this):
+        its boot (~1 s of CPU importing torch and loom) is not paced, so a server starts it before requests stream
+        rather than at its first large adapter load."""
+        self._executor.submit(self._process.ensure_started)
+
     @property
     def loader_pid(self) -> int | None:
         """The loader process's pid while it runs (tests, health)."""

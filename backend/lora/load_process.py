@@ -194,7 +194,13 @@ class LoaderProcess:
         proc = self._state.get("proc")
         return proc.pid if proc is not None else None
 
+    def ensure_started(self) -> None:
+        """Start the child if none runs (the caller of `load`'s thread only: one at a time)."""
+        if "proc" not in self._state and not self._closed:
+            self._start()
+
     def _start(self) -> None:
+        self._sent_chunks = set()  # a new process has mapped none of the arena's chunks
         mine, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen([_python(), "-c", _BOOT, str(theirs.fileno()), str(self._nice)],
@@ -214,9 +220,7 @@ class LoaderProcess:
         for attempt in (1, 2):
             if self._closed:
                 raise AdapterLoadError(f"adapter {name!r}: the engine is shutting down")
-            if "proc" not in self._state:
-                self._start()
-                self._sent_chunks = set()  # a new process has mapped none
+            self.ensure_started()
             conn, proc = self._state["conn"], self._state["proc"]
             slot = None
             try:

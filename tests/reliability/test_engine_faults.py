@@ -314,14 +314,21 @@ def model_py(monkeypatch):
 
 
 def test_finalize_with_streams_open_fails_them_and_releases_the_engine(model_py, tiny_model_dir, tmp_path):
+    """Also: with adapter roots, the adapter loader process boots at initialize (not at the first large adapter load,
+    while requests stream: its boot is not paced) and is gone after finalize."""
+    from tests.lora.test_load_process import wait_gone
+
+    (tmp_path / "adapters").mkdir()
     params = {"model": tiny_model_dir, "device": "cpu", "kv_cache_memory_bytes": str(256 * TINY_BLOCK_BYTES),
-              "metrics": "false", "shutdown_timeout_s": "3"}
+              "metrics": "false", "shutdown_timeout_s": "3", "adapter_roots": str(tmp_path / "adapters")}
     args = {"model_config": json.dumps({"name": "m", "model_transaction_policy": {"decoupled": True},
                                         "parameters": {k: {"string_value": v} for k, v in params.items()}}),
             "model_repository": str(tmp_path), "model_name": "m", "model_version": "1"}
     before = set(threading.enumerate())
     m = model_py.TritonPythonModel()
     m.initialize(args)
+    assert wait_for(lambda: m.engine.adapters.loader_pid), "the adapter loader process did not start at initialize"
+    loader = m.engine.adapters.loader_pid
     slow_runner(m.engine)
     eng_ref = weakref.ref(m.engine)
     sp = json.dumps({"max_tokens": 400, "temperature": 0, "ignore_eos": True}).encode()
@@ -342,6 +349,7 @@ def test_finalize_with_streams_open_fails_them_and_releases_the_engine(model_py,
     assert eng_ref() is None, "finalize() must release the engine (weights, KV cache)"
     left = {t.name for t in set(threading.enumerate()) - before}
     assert not any(n.startswith(("loom-engine-loop", "loom-sender", "loom-lora-load")) for n in left), left
+    assert wait_gone(loader), "the adapter loader process outlived finalize()"
 
 
 def wait_for(cond, timeout=30.0):
