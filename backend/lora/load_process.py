@@ -50,8 +50,8 @@ log = logging.getLogger("loom")
 # is larger (requests waiting for their adapters) and every core is busy. At 5 (before the pacing) it got about a
 # quarter of a core there: bench_lora --adapters 1000 --popularity zipf:1.0 read adapters p50 5.0 s after their
 # request (0.49-0.53x the one-adapter tokens/s); at 0 2.7 s (0.59x), every queue within the admission bound, and the
-# steps while it loads paced as slow as at 5 (--load-during: p50 +1%). Its boot (importing torch and loom, ~2 s of CPU
-# at its first load) is not paced.
+# steps while it loads paced as slow as at 5 (--load-during: p50 +1%). Its boot (importing torch and loom, ~1.25 s of
+# CPU) is not paced: a server starts it at initialize (AdapterRegistry.start_loader), before requests stream.
 NICE = 0
 _ALIGN = 64
 
@@ -79,7 +79,7 @@ class SlotAlloc:
 
     def __init__(self, conn, chunks: ChunkMaps, pace):
         self.conn, self.chunks, self.pace = conn, chunks, pace
-        self.layout, self.size, self.slot = {"a": {}, "b": {}}, 0, None
+        self.layout, self.size = {"a": {}, "b": {}}, 0
 
     def __call__(self, shapes, dtype: torch.dtype) -> dict:
         off = 0
@@ -95,7 +95,6 @@ class SlotAlloc:
                 continue
             _, cid, slot_off = msg
             break
-        self.slot = (cid, slot_off)
         buf = self.chunks.slot(cid, slot_off, self.size, self.pace, PIECE_BYTES)
         return {(kind, g): t for kind, parts in views(buf, self.layout).items() for g, t in parts.items()}
 
@@ -107,8 +106,7 @@ def load_packed(conn, chunks: ChunkMaps, path: str, name: str, spec: LoraModelSp
     mem = SlotAlloc(conn, chunks, pace)
     w = load_peft_adapter(path, name, spec, dtype, max_lora_rank, config=config, alloc=mem, map_file=True, pace=pace)
     return {"name": w.name, "path": w.path, "rank": w.rank, "scaling": w.scaling, "target_modules": w.target_modules,
-            "content_hash": w.content_hash, "ranks": w.ranks, "layout": mem.layout, "size": mem.size,
-            "slot": mem.slot}
+            "content_hash": w.content_hash, "ranks": w.ranks, "layout": mem.layout, "size": mem.size}
 
 
 def _watch_parent(parent: int) -> None:
