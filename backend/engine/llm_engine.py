@@ -343,10 +343,10 @@ class LLMEngine:
             prev = None
         batch = self.scheduler.schedule()
         self._last_batch = batch.seqs
-        if self.adapters is not None:  # the CPU share adapter loads may take until the next step
-            w, sched = self.scheduler.max_lora_wait_steps, self.scheduler
-            self.adapters.pace_loads(len(batch.seqs), [s.adapter for s in sched.waiting if s.adapter is not None
-                                                       and w and sched.age(s) >= w])
+        if self.adapters is not None and self.adapters.paces_loads:  # CPU: the share loads may take until next step
+            sched = self.scheduler
+            self.adapters.pace_loads(len(batch.seqs), [(s.adapter, sched.age(s)) for s in sched.waiting
+                                                       if s.adapter is not None], sched.max_lora_wait_steps)
         failed, self._adapter_failed = self._adapter_failed, []
         for seq in failed:
             self.abort_request(seq.request_id, reason="error", error=f"lora_name: {seq.adapter.error}")

@@ -21,10 +21,9 @@ import tempfile
 import threading
 from typing import Callable
 
-from loom.lora.peft_config import CONFIG_NAME, WEIGHTS_NAME, AdapterLoadError
+from loom.lora.peft_config import CONFIG_NAME, SAFETENSORS_MAX_HEADER, WEIGHTS_NAME, AdapterLoadError
 
 ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)  # all that peft_loader reads
-_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header
 
 # copy(file name, local destination path): writes one file of the adapter, raising on any failure
 Copier = Callable[[str, str], None]
@@ -49,7 +48,7 @@ def check_adapter_files(folder: str, sizes: dict[str, int]) -> None:
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > min(_MAX_HEADER, total - 8):
+            if n > min(SAFETENSORS_MAX_HEADER, total - 8):
                 raise ValueError(f"header length {n} past the end of the file")
             header = json.loads(f.read(n))
         end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)

@@ -97,9 +97,9 @@ class AdapterRegistry:
         # On the CPU loads share the cores the steps compute on: their CPU share, set each step (pace_loads), paces
         # the loader process and the copier thread (loom.lora.load_pace)
         self.load_share = LoadShare()
-        self._paced = self.device.type == "cpu"
+        self.paces_loads = self.device.type == "cpu"  # on CUDA the steps compute on the GPU: loads are not paced
         self.residency = RowResidency(config, self.spec, model, self.device, dtype, tp,  # device rows and host tier
-                                      self.load_share.get if self._paced else None)
+                                      self.load_share.get if self.paces_loads else None)
         self.pools: tuple[LoraPool, LoraPool] = self.residency.pools
         self.pool, self.expert_pool = self.pools  # dense, expert
         self._pin = self.device.type == "cuda"
@@ -298,18 +298,14 @@ class AdapterRegistry:
                 self._cond.wait(timeout)
             return not any(v.loading for v in self._versions)
 
-    def pace_loads(self, running: int, overdue: Sequence[AdapterRef] = ()) -> None:
-        """Once per step, from the engine's loop: the CPU share adapter loads may take until the next one, from the
-        requests in the step (`running`), those holding an adapter not on the device yet, and whether one of the
-        `overdue` requests' (waited max_lora_wait_steps) is such an adapter (load_pace.load_share,
-        lora_load_cpu_share). On CUDA loads are not paced."""
-        if not self._paced:
-            return
+    def pace_loads(self, running: int, queued: Sequence[tuple[AdapterRef, int]], max_wait: int) -> None:
+        """Once per step, from the engine's loop where loads are paced (paces_loads): the CPU share adapter loads may
+        take until the next one, from the requests in the step (`running`) and the queued ones - (adapter ref, steps
+        waited) - whose adapter is not on the device yet, one of them overdue if it has waited max_wait (> 0) steps
+        (load_pace.load_share, lora_load_cpu_share)."""
         with self._lock:
-            waiting = sum(v.refcount - v.active for v in self._versions
-                          if v.refcount > v.active and not self._ready(v))
-            late = any(not self._ready(ref._v) for ref in overdue)
-        self.load_share.set(load_share(self.config.lora_load_cpu_share, waiting, running, late))
+            late = [max_wait > 0 and age >= max_wait for ref, age in queued if not self._ready(ref._v)]
+        self.load_share.set(load_share(self.config.lora_load_cpu_share, len(late), running, any(late)))
 
     def _ready(self, v: AdapterVersion) -> bool:
         """v's rows are on the device and written (a step may read them)."""

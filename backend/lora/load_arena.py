@@ -27,10 +27,15 @@ from typing import Callable
 import numpy as np
 import torch
 
+from loom.lora.load_pace import PIECE_BYTES
 from loom.lora.lora_pool import RowAllocator
 
 CHUNK_BYTES = 64 << 20
 PAGE = 4096
+
+
+def _pages(nbytes: int) -> int:
+    return max(1, -(-nbytes // PAGE))
 
 
 class _Chunk:
@@ -59,21 +64,21 @@ class Arena:
         self._empty: set[int] = set()  # chunks a free emptied: closed at the next alloc / dropped (a safe point)
         self._lock = threading.RLock()  # a finalizer may free a slot on a thread that holds it (GC inside alloc)
 
-    def alloc(self, nbytes: int) -> tuple[int, int, bool]:
-        """A slot of nbytes -> (chunk id, byte offset, whether the chunk is new)."""
-        pages = max(1, -(-nbytes // PAGE))
+    def alloc(self, nbytes: int) -> tuple[int, int]:
+        """A slot of nbytes -> (chunk id, byte offset)."""
+        pages = _pages(nbytes)
         with self._lock:
             self._reap()
             for c in list(self._chunks.values()):
                 start = c.pages.alloc(pages)
                 if start is not None:
-                    return c.cid, start * PAGE, False
+                    return c.cid, start * PAGE
             size = max(self.chunk_bytes, pages * PAGE)
             c = _Chunk(self._next, size)
             self._next += 1
             self._chunks[c.cid] = c
             c.pages.alloc(pages)
-            return c.cid, 0, True
+            return c.cid, 0
 
     def fd(self, cid: int) -> tuple[int, int]:
         """A chunk's descriptor and size (to send it to the loader process)."""
@@ -85,7 +90,7 @@ class Arena:
             c = self._chunks.get(cid)
             if c is None:
                 return
-            c.pages.free(off // PAGE, max(1, -(-nbytes // PAGE)))
+            c.pages.free(off // PAGE, _pages(nbytes))
             if c.pages.num_free == c.pages.capacity and cid != self._next - 1:
                 self._empty.add(cid)
 
@@ -128,26 +133,24 @@ class ChunkMaps:
     """The loader side (module docstring)."""
 
     def __init__(self):
-        self._maps: dict[int, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._maps: dict[int, torch.Tensor] = {}  # a chunk's bytes (the tensor keeps its mapping)
 
     def add(self, cid: int, fd: int, size: int) -> None:
         try:
-            m = mmap.mmap(fd, size)
+            self._maps[cid] = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
         finally:
             os.close(fd)
-        self._maps[cid] = (m, torch.frombuffer(m, dtype=torch.uint8))
 
     def drop(self, cids: list[int]) -> None:
+        """Unmap these chunks (with the last view of them)."""
         for cid in cids:
-            entry = self._maps.pop(cid, None)
-            if entry is not None:
-                del entry  # the buffer's tensor, then the mapping, go with the last reference
+            self._maps.pop(cid, None)
 
-    def slot(self, cid: int, off: int, nbytes: int, pace: Callable[[], None], piece: int) -> torch.Tensor:
-        """The slot's bytes, zeroed in pieces of `piece` bytes (pace between them)."""
-        buf = self._maps[cid][1][off:off + nbytes]
-        for i in range(0, nbytes, piece):
-            buf[i:i + piece].zero_()
+    def slot(self, cid: int, off: int, nbytes: int, pace: Callable[[], None]) -> torch.Tensor:
+        """The slot's bytes, zeroed in pieces of PIECE_BYTES (pace between them)."""
+        buf = self._maps[cid][off:off + nbytes]
+        for i in range(0, nbytes, PIECE_BYTES):
+            buf[i:i + PIECE_BYTES].zero_()
             pace()
         return buf
 

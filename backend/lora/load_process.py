@@ -39,7 +39,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 import torch
 
 from loom.lora.load_arena import Arena, ChunkMaps, views
-from loom.lora.load_pace import PIECE_BYTES, LoadShare, Pacer
+from loom.lora.load_pace import LoadShare, Pacer
 from loom.lora.peft_config import AdapterConfigInfo, AdapterLoadError
 from loom.lora.peft_loader import AdapterWeights, LoraModelSpec, load_peft_adapter
 
@@ -95,7 +95,7 @@ class SlotAlloc:
                 continue
             _, cid, slot_off = msg
             break
-        buf = self.chunks.slot(cid, slot_off, self.size, self.pace, PIECE_BYTES)
+        buf = self.chunks.slot(cid, slot_off, self.size, self.pace)
         return {(kind, g): t for kind, parts in views(buf, self.layout).items() for g, t in parts.items()}
 
 
@@ -226,7 +226,7 @@ class LoaderProcess:
                 while True:
                     msg = conn.recv()
                     if msg[0] == "need":
-                        slot = (*self.arena.alloc(msg[1])[:2], msg[1])
+                        slot = (*self.arena.alloc(msg[1]), msg[1])
                         if slot[0] not in self._sent_chunks:
                             fd, size = self.arena.fd(slot[0])
                             conn.send(("chunk", slot[0], size))

@@ -22,6 +22,7 @@ from loom.lora.model_spec import FUSED_PROJS, MOE_V4_NAMES, SUPPORTED_PROJS
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+SAFETENSORS_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 MAX_CONFIG_BYTES = 1 << 20
 

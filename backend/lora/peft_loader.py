@@ -48,6 +48,7 @@ from loom.lora.model_spec import (
 )
 from loom.lora.peft_config import (
     CONFIG_NAME,
+    SAFETENSORS_MAX_HEADER,
     WEIGHTS_NAME,
     AdapterConfigInfo,
     AdapterLoadError,
@@ -208,7 +209,7 @@ def _parse_safetensors(name: str, data, pace: Callable[[], None] = _no_pace) -> 
     if len(data) < 8:
         raise bad("shorter than its 8-byte header length")
     n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8 or n > 100 << 20:
+    if n > min(SAFETENSORS_MAX_HEADER, len(data) - 8):
         raise bad(f"header length {n} exceeds the file")
     try:
         header = json.loads(bytes(data[8:8 + n]))
@@ -263,9 +264,10 @@ def load_peft_adapter(
     pace: Callable[[], None] = _no_pace,
 ) -> AdapterWeights:
     """Read, validate and lay out one adapter (host memory). Raises AdapterLoadError. alloc: where the laid-out
-    tensors are made, zero-filled (default zeros_alloc; the loader process's lands them in the memory file it hands
-    over). map_file: map the weights file instead of reading it (_read_weights: the loader process only). pace:
-    called between pieces of the work (loom.lora.load_pace.Pacer: the loader process's CPU share)."""
+    tensors are made, zero-filled (default zeros_alloc; the loader process's lands them in a slot of the engine's
+    arena, loom.lora.load_arena). map_file: map the weights file instead of reading it (_read_weights: the loader
+    process only). pace: called between pieces of the work (loom.lora.load_pace.Pacer: the loader process's CPU
+    share)."""
     pace()
     if config is None:
         config = read_adapter_config(adapter_dir, name, max_lora_rank)

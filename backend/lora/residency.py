@@ -194,7 +194,7 @@ class RowResidency:
         holders = sorted(((v.rows[space], v.ranks[space], v) for v in self.versions if v.rows[space] >= 0),
                          key=lambda h: h[0])
         free = pool.allocator.free_ranges()
-        best = None  # (rows moved, window start, [(holder, its rows, their destination)])
+        best = None  # (rows moved, window start, [(holder, its first row, its destination)])
         for s in sorted({*(h[0] for h in holders), *(f[0] for f in free)}):
             e = s + n
             if e > pool.capacity:

@@ -107,9 +107,6 @@ class RowCopies:
 
     def _wait(self, copy: Future) -> None:
         """The loop waits for a CPU copy: the copier unpaced meanwhile (it takes the cores the step would have)."""
-        if copy.done():
-            copy.result()
-            return
         self._urgent.set()
         try:
             copy.result()

@@ -122,12 +122,8 @@ def layout_parts(arch: str, module_name: str, module, quant, dtype: torch.dtype)
                    for i, n in enumerate(FUSED[proj])]
     else:
         tensors = [(module_name, module.full_offsets[-1] if column else module.slice_offsets[-1], None)]
-    parts = []
-    for name, out, i in tensors:
-        qw = quant.layout(name, (out, inp), dtype)
-        for index, src in module.checkpoint_pieces("weight", i):
-            parts.append((0 if index == ALL else index[0].start, rank_shard(qw, src, module_name)))
-    return parts
+    return [part for name, out, i in tensors for part in
+            rank_parts(quant.layout(name, (out, inp), dtype), module.checkpoint_pieces("weight", i), module_name)]
 
 
 def quantized_parts(model, target: str, pieces: list, qw: QuantizedWeight
@@ -140,7 +136,13 @@ def quantized_parts(model, target: str, pieces: list, qw: QuantizedWeight
     module_name = target[: -len(".weight")]
     if type(model.get_submodule(module_name)) not in HOLDS:
         return None
-    return [(0 if index == ALL else index[0].start, rank_shard(qw, src, module_name)) for index, src in pieces]
+    return rank_parts(qw, pieces, module_name)
+
+
+def rank_parts(qw: QuantizedWeight, pieces: list, where: str) -> list[tuple[int, QuantizedWeight]]:
+    """(first output row in the layer's weight, this rank's part of qw) for each (layer index, checkpoint index)
+    piece of one checkpoint tensor (`rank_shard`)."""
+    return [(0 if index == ALL else index[0].start, rank_shard(qw, src, where)) for index, src in pieces]
 
 
 def rank_shard(qw: QuantizedWeight, src: tuple, where: str) -> QuantizedWeight:
