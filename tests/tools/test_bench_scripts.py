@@ -169,6 +169,33 @@ def test_popularity_shift_and_recovery_time():
         recovery_s(steady, 0.5, 10.0, 1.0)
 
 
+def test_step_times_are_compared_with_steps_of_about_the_same_batch():
+    """matched_ratios: a step's time over the median of the reference steps whose batch is within 20% of its own (a
+    reference step's own time left out of its reference), steps with fewer than 3 such left out - a step of 60
+    requests is not set against steps of 12."""
+    import statistics
+
+    from harness.lora_report import MATCH_MIN, MATCH_TOL, matched_ratios
+
+    ref = [(10.0 + b, b) for b in (10, 11, 12, 12, 13, 50, 52, 55, 60)]
+    busy = [(80.0, 55), (30.0, 12), (99.0, 30)]  # batch 30: no reference step near it
+
+    def direct(steps, own):
+        out = []
+        for i, (ms, b) in enumerate(steps):
+            near = [m for j, (m, rb) in enumerate(ref) if b / (1 + MATCH_TOL) <= rb <= b * (1 + MATCH_TOL)
+                    and not (own and j == i)]
+            if len(near) >= MATCH_MIN:
+                out.append(ms / statistics.median(near))
+        return out
+
+    assert matched_ratios(ref, busy) == pytest.approx(direct(busy, False))
+    assert matched_ratios(ref, busy) == pytest.approx([80.0 / 63.5, 30.0 / 22.0])  # batches 50-60; 10-13
+    assert matched_ratios(ref, ref) == pytest.approx(direct(ref, True))
+    assert len(matched_ratios(ref, ref)) == len(ref)
+    assert matched_ratios(ref[:2], busy) == []
+
+
 def test_traffic_report_sets_vllm_beside_loom_run_by_run():
     """vLLM on the same traffic: its ratio to its own one-adapter run, TTFT by the popularity decile of each request's
     adapter (from loom's ranks), a failed setting reported, and loom's tokens/s against vLLM's best setting."""
