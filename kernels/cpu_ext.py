@@ -90,7 +90,7 @@ _SIGNATURES = {
     "loom_gemm_bf16_pack": [_P, _I64, _I64, _P],
     "loom_gemm_bf16": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32],
     "loom_gemm_bf16_lora": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _I32, _I64, _I64, _I64, _P, _I64, _P, _P,
-                            _P, _P, _P, _P, _I64, _I32],
+                            _P, _P, _P, _P, _I64, _I64, _I32],
 }
 # the bfloat16 variants of the pointwise, KV store and attention kernels (ACT_SUFFIX): the same arguments, but the
 # norm's, which also says whether its weight is float32

@@ -196,14 +196,16 @@ struct LoraEpilogue {
     }
   }
 
-  // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice
-  void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1) const {
+  // rows m .. m + mr - 1 of y, columns [c0, c1): each token's delta, slice by slice; C holds y's rows from row0 (the
+  // bfloat16 GEMM's epilogue: a tile's rows widened into scratch)
+  void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1,
+             int64_t row0 = 0) const {
     const Group* gm = of(m);
 #if defined(__AVX512F__)
     if (c1 - c0 == NR && gm && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
       for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
-          float* y = C + m * ldc + c0;
+          float* y = C + (m - row0) * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
           const float* bb = b + gm->b_row * ldb + c0;
           with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, ldb, gm->rank, gm->scale); });
@@ -214,8 +216,8 @@ struct LoraEpilogue {
     if (c1 - c0 == NR && mr == 4 && gm && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
-          tile4(C + m * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * ldb + c0, ldb, gm->rank,
-                gm->scale);
+          tile4(C + (m - row0) * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * ldb + c0, ldb,
+                gm->rank, gm->scale);
           return;
         }
     }
@@ -227,8 +229,8 @@ struct LoraEpilogue {
         const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
         if (lo >= hi) continue;
         const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
-        expand_row(C + t * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * ldb, ldb, gt->rank, gt->scale, lo,
-                   hi, vec_end);
+        expand_row(C + (t - row0) * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * ldb, ldb, gt->rank,
+                   gt->scale, lo, hi, vec_end);
       }
     }
   }
@@ -485,14 +487,10 @@ void gemm_with_pass(const float* A, int64_t lda, int64_t M, int64_t K, const flo
   }
 }
 
-// loom_gemm_lora's work; fetch (nullable): gemm's, for the fused groups' GEMM
-void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const float* bias, float* C, int64_t ldc,
-               const Pools& pools, const int64_t* offs, const int64_t* tok, const int32_t* seg, const int32_t* rows,
-               const int32_t* ranks, const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads,
-               const Ahead* fetch) {
-  const int64_t K = pools.K, N = pools.N, S = pools.S, bn = pools.bn;
-  // the groups split: fused (big) and after the GEMM (small), each as a list of groups over its own token list
-  struct Split {
+// A linear's LoRA groups split: fused into the GEMM's output tiles (at least fuse_min tokens: a prefill chunk, many
+// decode tokens of one adapter) and the rest (a pass of their own), each a list of groups over its own token list
+struct GroupSplit {
+  struct Part {
     std::vector<int64_t> tok;
     std::vector<int32_t> seg{0}, rows, ranks;
     std::vector<float> scal;
@@ -505,67 +503,97 @@ void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const fl
     }
     int64_t groups() const { return int64_t(rows.size()); }
   } big, small;
-  for (int64_t g = 0; g < G; ++g) {
-    if (ranks[g] <= 0) continue;
-    const int64_t n = seg[g + 1] - seg[g];
-    (n >= fuse_min ? big : small).add(tok + seg[g], n, rows[g], ranks[g], scal[g]);
+  GroupSplit(const int64_t* tok, const int32_t* seg, const int32_t* rows, const int32_t* ranks, const float* scal,
+             int64_t G, int64_t fuse_min) {
+    for (int64_t g = 0; g < G; ++g) {
+      if (ranks[g] <= 0) continue;
+      const int64_t n = seg[g + 1] - seg[g];
+      (n >= fuse_min ? big : small).add(tok + seg[g], n, rows[g], ranks[g], scal[g]);
+    }
   }
-  int64_t max_rank = 0, big_rows = 0;
-  for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
-  // the fused groups' A rows: packed for the shrink (pack_pair) where the group has tokens enough to pay for it,
-  // else read in the pool; their B rows: b itself, or widened to float32
-  std::vector<int64_t> a_at(big.groups() + 1, 0);  // group g's packed slices from a_at[g] (none: a_at[g + 1])
-  for (int64_t g = 0; g < big.groups(); ++g) {
-    const bool pack = big.seg[g + 1] - big.seg[g] >= PACK_MIN_TOKENS;
-    a_at[g + 1] = a_at[g] + (pack ? S * paired_floats(big.ranks[g], K) : 0);
+  // the small groups' pass over x (lda) into y (ldc)
+  LoraPass pass(const float* x, int64_t lda, const Pools& pools, const int64_t* offs, float* y, int64_t ldc,
+                int nthreads) const {
+    return LoraPass{x, lda, pools, offs, y, ldc, small.tok.data(), small.seg.data(), small.rows.data(),
+                    small.ranks.data(), small.scal.data(), small.groups(),
+                    LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
   }
-  const std::unique_ptr<float[]> paired(new float[a_at.back()]);  // written whole before it is read
-  std::unique_ptr<float[]> wide_b;
-  if (pools.dt != 0 && big_rows) wide_b.reset(new float[big_rows * bn]);  // rows bn apart, as in the pool
-  const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(pools.b);
-  std::vector<int32_t> b_at(big.groups() + 1, 0);  // group g's rows in wide_b: [b_at[g], b_at[g + 1])
-  for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
-  // items of that work, shared out over the threads (one adapter's prefill chunk is one group): group g's from
-  // item_at[g], a pair of A rows of a slice each (if packed), then a B row each (if widened)
-  const auto pairs_of = [&](int64_t g) -> int64_t {  // group g's items packing A (a pair of rows of a slice each)
-    return a_at[g + 1] > a_at[g] ? S * ((big.ranks[g] + 1) / 2) : 0;
-  };
-  std::vector<int64_t> item_at(big.groups() + 1, 0);
-  for (int64_t g = 0; g < big.groups(); ++g) item_at[g + 1] = item_at[g] + pairs_of(g) + (wide_b ? big.ranks[g] : 0);
-  if (item_at.back())
-    with_type(pools.dt, [&](auto tag) {
-      using T = decltype(tag);
+};
+
+// The fused groups' epilogue (LoraEpilogue) over a GEMM of M rows, with the scratch it reads: their A rows packed
+// for the shrink (pack_pair) where the group has tokens enough to pay for it, else read in the pool; their B rows:
+// the pool's, or widened to float32 (16-bit pools); the shrink coefficients. Empty (null `get`) without fused groups.
+struct FusedLora {
+  std::unique_ptr<float[]> paired, wide_b, coef;
+  LoraEpilogue ep{};
+
+  FusedLora(const GroupSplit::Part& big, const Pools& pools, const int64_t* offs, int64_t M, int nthreads) {
+    if (!big.groups()) return;
+    const int64_t K = pools.K, N = pools.N, S = pools.S, bn = pools.bn;
+    int64_t max_rank = 0, big_rows = 0;
+    for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
+    std::vector<int64_t> a_at(big.groups() + 1, 0);  // group g's packed slices from a_at[g] (none: a_at[g + 1])
+    for (int64_t g = 0; g < big.groups(); ++g) {
+      const bool pack = big.seg[g + 1] - big.seg[g] >= PACK_MIN_TOKENS;
+      a_at[g + 1] = a_at[g] + (pack ? S * paired_floats(big.ranks[g], K) : 0);
+    }
+    paired.reset(new float[a_at.back()]);  // written whole before it is read
+    if (pools.dt != 0 && big_rows) wide_b.reset(new float[big_rows * bn]);  // rows bn apart, as in the pool
+    const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(pools.b);
+    std::vector<int32_t> b_at(big.groups() + 1, 0);  // group g's rows in wide_b: [b_at[g], b_at[g + 1])
+    for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
+    // items of that work, shared out over the threads (one adapter's prefill chunk is one group): group g's from
+    // item_at[g], a pair of A rows of a slice each (if packed), then a B row each (if widened)
+    const auto pairs_of = [&](int64_t g) -> int64_t {  // group g's items packing A (a pair of rows of a slice each)
+      return a_at[g + 1] > a_at[g] ? S * ((big.ranks[g] + 1) / 2) : 0;
+    };
+    std::vector<int64_t> item_at(big.groups() + 1, 0);
+    for (int64_t g = 0; g < big.groups(); ++g)
+      item_at[g + 1] = item_at[g] + pairs_of(g) + (wide_b ? big.ranks[g] : 0);
+    if (item_at.back())
+      with_type(pools.dt, [&](auto tag) {
+        using T = decltype(tag);
 #pragma omp parallel for num_threads(std::min<int64_t>(nthreads, item_at.back())) schedule(dynamic, 1)
-      for (int64_t w = 0; w < item_at.back(); ++w) {
-        const int64_t g = std::upper_bound(item_at.begin(), item_at.end(), w) - item_at.begin() - 1;
-        const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = pairs_of(g), i = w - item_at[g];
-        if (i < pairs)
-          pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
-                    paired.get() + a_at[g] + i / half * paired_floats(rk, K));
-        else
-          widen(pools.b_rows<T>(big.rows[g] + i - pairs), wide_b.get() + (b_at[g] + i - pairs) * bn, N);
-      }
-    });
-  const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
-  // written by the shrink wherever an epilogue reads it (a fused group's tokens, each slice, ranks below the group's)
-  const std::unique_ptr<float[]> coef(new float[big.groups() ? M * coef_ld : 0]);
-  LoraEpilogue ep{coef.get(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
-  for (int64_t g = 0; g < big.groups(); ++g) {
-    ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
-                         a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
-    for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
+        for (int64_t w = 0; w < item_at.back(); ++w) {
+          const int64_t g = std::upper_bound(item_at.begin(), item_at.end(), w) - item_at.begin() - 1;
+          const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = pairs_of(g), i = w - item_at[g];
+          if (i < pairs)
+            pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
+                      paired.get() + a_at[g] + i / half * paired_floats(rk, K));
+          else
+            widen(pools.b_rows<T>(big.rows[g] + i - pairs), wide_b.get() + (b_at[g] + i - pairs) * bn, N);
+        }
+      });
+    const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
+    // written by the shrink wherever an epilogue reads it (a fused group's tokens, each slice, ranks below the group's)
+    coef.reset(new float[M * coef_ld]);
+    ep = LoraEpilogue{coef.get(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
+    for (int64_t g = 0; g < big.groups(); ++g) {
+      ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
+                           a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
+      for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
+    }
   }
-  if (!small.groups()) {
-    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
+  const LoraEpilogue* get() const { return coef ? &ep : nullptr; }
+};
+
+// loom_gemm_lora's work; fetch (nullable): gemm's, for the fused groups' GEMM
+void gemm_lora(const float* A, int64_t lda, int64_t M, const float* Bp, const float* bias, float* C, int64_t ldc,
+               const Pools& pools, const int64_t* offs, const int64_t* tok, const int32_t* seg, const int32_t* rows,
+               const int32_t* ranks, const float* scal, int64_t G, int64_t fuse_min, int64_t mc, int nthreads,
+               const Ahead* fetch) {
+  const int64_t K = pools.K, N = pools.N;
+  const GroupSplit split(tok, seg, rows, ranks, scal, G, fuse_min);
+  const FusedLora fused(split.big, pools, offs, M, nthreads);
+  if (!split.small.groups()) {
+    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, fused.get(), fetch);
     return;
   }
-  const LoraPass pass{A, lda, pools, offs, C, ldc, small.tok.data(), small.seg.data(),
-                      small.rows.data(), small.ranks.data(), small.scal.data(), small.groups(),
-                      LoraItems(small.seg.data(), small.ranks.data(), small.groups(), nthreads)};
+  const LoraPass pass = split.pass(A, lda, pools, offs, C, ldc, nthreads);
   if (row_block_rows(M, mc) == M) {
-    gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, big.groups() ? &ep : nullptr, pass);
+    gemm_with_pass(A, lda, M, K, Bp, N, bias, C, ldc, nthreads, fused.get(), pass);
   } else {
-    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, big.groups() ? &ep : nullptr, fetch);
+    gemm(A, lda, M, K, Bp, N, bias, C, ldc, mc, nthreads, fused.get(), fetch);
     run_pass(pass, nthreads);
   }
 }

@@ -221,27 +221,18 @@ void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const floa
 }
 
 // bfloat16: loom's bfloat16 GEMM and the LoRA pass on its bfloat16 output (the Python layers' GEMM and
-// lora_apply_cpu_bf16: the same bits). A step whose groups are all under fuse_min tokens (decode) has the pass's
-// items interleaved with the GEMM's panels (gemm_bf16_lora); a prefill chunk's groups the pass after the GEMM.
+// lora_apply_cpu_bf16: the same bits), as gemm_bf16_lora runs them: a decode step's items interleaved with the
+// GEMM's panels, larger groups' deltas in its output tiles.
 void layer_linear(const LoomLinear& l, bool lora, const LoomStep& st, const bf16_t* x, int64_t K, int64_t mc,
                   bf16_t* y, const Ahead&) {
   if (l.parts) return quant_linear(l, lora, st, x, K, mc, y);
   const auto* xa = reinterpret_cast<const uint16_t*>(x);
   const auto* panels = static_cast<const uint16_t*>(l.panels);
-  if (!(lora && l.lora_a)) {
-    gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads);
-    return;
-  }
-  bool small = true;
-  for (int64_t g = 0; g < st.groups; ++g) small = small && st.seg[g + 1] - st.seg[g] < st.fuse_min;
-  if (small) {
+  if (lora && l.lora_a)  // adapters of the step target this linear, and it has pools
     gemm_bf16_lora(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, l.pools(K), l.offs, st.tok, st.seg, st.rows,
-                   st.ranks, st.scal, st.groups, st.nthreads);
-  } else {
+                   st.ranks, st.scal, st.groups, st.fuse_min, st.nthreads);
+  else
     gemm_bf16(xa, K, st.T, K, panels, l.N, l.bias, y, l.N, false, st.nthreads);
-    run_pass_bf16(x, K, l.pools(K), l.offs, y, l.N, st.tok, st.seg, st.rows, st.ranks, st.scal, st.groups,
-                  st.nthreads);
-  }
 }
 
 // the kernels by activation type: float32 or bfloat16 (the bfloat16 norm takes float32 or bfloat16 weights)

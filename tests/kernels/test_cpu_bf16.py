@@ -261,18 +261,35 @@ def test_lora_bf16_is_the_widened_float32_pass(num_tokens, ranks, pool):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("num_tokens,ranks,pool", [(9, [1, 8, 16, 4], BF16), (5, [16, 3], torch.float32),
-                                                   (32, [16] * 32, BF16)])
-def test_gemm_bf16_lora_is_the_gemm_then_the_pass(cpu_build, num_tokens, ranks, pool):
-    """loom's bfloat16 GEMM with the adapter tokens' pass items interleaved with its panels, each token's delta added
-    to its output row after (the C++ layer's decode linears; where the CPU lacks avx512_bf16 the GEMM's plain loop,
-    then the pass): bitwise the GEMM, then the bfloat16 pass on its output, over slices with 16-wide parts and
-    tails, panels across slice boundaries, a bias, padded pool rows, ranks 1 to 16 and tokens without an adapter."""
+# (tokens, ranks) for kernel_cases.make_lora_meta (scattered tokens), or (runs, ranks) for contiguous_lora_meta
+# (prefill chunks: a group of 300 tokens has its A rows packed, gemm.cpp's PACK_MIN_TOKENS); fuse_min
+GEMM_BF16_LORA_CASES = [
+    ((9, [1, 8, 16, 4]), BF16, 16), ((5, [16, 3]), torch.float32, 16), ((32, [16] * 32), BF16, 16),  # decode
+    ((9, [1, 8, 16, 4]), BF16, 2), ((200, [16, 4, 8]), BF16, 16), ((200, [16, 5]), torch.float32, 16),
+    (([(0, 40), (-1, 5), (1, 3), (2, 300), (-1, 2), (3, 1), (0, 7)], [16, 8, 12, 4]), BF16, 16),
+    (([(1, 9), (0, 301), (2, 17)], [3, 16, 8]), torch.float32, 16),
+]
+
+
+@pytest.mark.parametrize("case,pool,fuse_min", GEMM_BF16_LORA_CASES)
+def test_gemm_bf16_lora_is_the_gemm_then_the_pass(cpu_build, case, pool, fuse_min):
+    """loom's bfloat16 GEMM with the adapter tokens' LoRA (the C++ layer's linears): groups all under fuse_min tokens
+    with their pass items interleaved with its panels, each token's delta added to its output row after; else the
+    groups of at least fuse_min tokens with their deltas added to each output tile (their A rows packed from 256
+    tokens on) and the others' pass after; where the CPU lacks avx512_bf16 the GEMM's plain loop, then the pass.
+    Bitwise the GEMM, then the bfloat16 pass on its output, over slices with 16-wide parts and tails, panels across
+    slice boundaries, a bias, padded pool rows, ranks 1 to 16, 16-bit and float32 pools and tokens without an
+    adapter."""
     from loom.kernels import cpu_ext
     from loom.kernels.cpu_lora import group_arrays, lora_apply_cpu_bf16, offsets_tensor
 
     torch.manual_seed(6)
-    meta, R, _ = kcases.make_lora_meta(num_tokens, ranks, "cpu")
+    if isinstance(case[0], int):
+        meta, R, _ = kcases.make_lora_meta(*case, "cpu")
+        num_tokens = case[0]
+    else:
+        meta, R, _ = kcases.contiguous_lora_meta(*case)
+        num_tokens = sum(n for _, n in case[0])
     offs, K = [0, 40, 56, 131], 71
     N, nr = offs[-1], cpu_build.loom_gemm_bf16_panel_width()
     x, w, bias = torch.randn(num_tokens, K).to(BF16), torch.randn(N, K).to(BF16), torch.randn(N)
@@ -290,5 +307,6 @@ def test_gemm_bf16_lora_is_the_gemm_then_the_pass(cpu_build, num_tokens, ranks, 
     cpu_build.loom_gemm_bf16_lora(x.data_ptr(), K, num_tokens, K, panels.data_ptr(), N, bias.data_ptr(),
                                   got.data_ptr(), N, a.data_ptr(), cpu_ext.ADAPTER_TYPES[pool], 3, R, a.stride(1),
                                   b.data_ptr(), b.stride(0), o.data_ptr(), tok.data_ptr(), seg.data_ptr(),
-                                  rows.data_ptr(), rk.data_ptr(), scal.data_ptr(), meta.num_groups, cpu_ext.nthreads())
+                                  rows.data_ptr(), rk.data_ptr(), scal.data_ptr(), meta.num_groups, fuse_min,
+                                  cpu_ext.nthreads())
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
