@@ -40,9 +40,11 @@ one adapter measures its tokens/s; Poisson arrivals at --load times that rate th
 per --popularity over the N (adapters unloaded between runs, so each starts cold), the same arrivals, prompts and
 tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
 excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
-adapter was in when its request arrived, load latencies per tier, and step time (the running streams' inter-token
-latency) with and without a read from disk in flight. --shift-at F moves the popularity to other adapters from request
-F x --arrivals on (adapter k's share goes to k + N/2: a hot set nobody used before) and prints, per run, the median
+adapter was in when its request arrived, load latencies per tier, the rank rows each run's steps read (and the time
+reading them takes at the streaming rate measured here) and its loader process's CPU time, and step time (the running
+streams' inter-token latency) with and without a read from disk in flight, set against steps of about the same
+batch. --shift-at F moves the popularity to other adapters from request F x --arrivals on (adapter k's share goes
+to k + N/2: a hot set nobody used before) and prints, per run, the median
 token rate in --window-s windows before the shift, the lowest window after it, and the seconds until every later
 window is back at >= 0.9x that median (harness.lora.recovery_s). With --vllm-python, vLLM's CPU build then runs the same
 requests at the same arrival times, run by run, each run's adapters in one engine per --vllm-threads setting with
@@ -398,6 +400,8 @@ def traffic(args, root: str) -> None:
     import torch
     from transformers import AutoConfig
 
+    from harness.adapter_cost import stream_gbps
+    from harness.cpu_meter import tree_cpu_s
     from harness.lora import popularity_weights, run_arrivals, shift_ranks
     from harness.serving_load import arrival_times
     from loom.engine.config import EngineConfig
@@ -444,12 +448,19 @@ def traffic(args, root: str) -> None:
             ranks = shift_ranks(random.Random(1).choices(range(args.adapters), popularity_weights(pop, args.adapters),
                                                          k=args.arrivals), args.adapters, args.shift_at)
         loads0, evictions0 = len(reg.stats().loads), reg.num_evictions
+        pid = reg.loader_pid
+        cpu0 = tree_cpu_s(pid) if pid else 0.0
         run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
+        after = reg.loader_pid  # (started in the run: its boot counts)
         run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads[loads0:]],
-                   evictions=reg.num_evictions - evictions0)
+                   evictions=reg.num_evictions - evictions0,
+                   loader_cpu_s=tree_cpu_s(after) - (cpu0 if after == pid else 0.0) if after else 0.0)
         results["runs"][pop] = run
         bc.progress(f"{pop}: {run['tokens'] / run['wall_s']:.1f} tok/s, {run['evictions']} evictions")
+    results["adapter_bytes"] = args.rank * reg.pool.row_bytes  # a rank-r adapter's rows in the pools' own type
     reg.close()
+    if device.type == "cpu":  # what reading rank rows can reach on the engine's threads
+        results["stream_gb_s"] = stream_gbps()
     if args.vllm_python:
         dtype = str(eng.runner.dtype).removeprefix("torch.")
         results["vllm"] = run_vllm_traffic(args, model, root, dtype, names, prompts, arrivals, results["runs"])

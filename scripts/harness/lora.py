@@ -304,8 +304,8 @@ def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrival
     """Drive an engine in real time: request i (prompts[i], adapter names[i]) is added `arrivals[i]` s after the
     start. -> per request: steps and times of its arrival, first token and end, the tier its adapter was in when it
     arrived (`tier_of`, before the request asked for it); per step: its seconds, the requests it ran, whether it only
-    decoded (no prompt: no first token came out of it) and whether a read from disk was in flight; the wall time and
-    tokens made."""
+    decoded (no prompt: no first token came out of it), whether a read from disk was in flight and the distinct
+    adapters it ran; the wall time and tokens made."""
     import time
 
     reg = eng.adapters
@@ -329,9 +329,10 @@ def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrival
         ts = time.perf_counter()
         outs = eng.step()
         te = time.perf_counter()
-        batch = len(eng.last_step_request_ids)
+        ids = eng.last_step_request_ids
+        batch, distinct = len(ids), len({names[int(r)] for r in ids if names[int(r)]})
         steps.append((te - ts, batch, batch > 0 and all(req["first_step"][int(o.request_id)] is not None
-                                                         for o in outs), loading))
+                                                         for o in outs), loading, distinct))
         made = sum(len(o.new_token_ids) for o in outs)
         if made:
             token_times.append((te - t0, made))

@@ -160,8 +160,8 @@ def traffic_report(results: dict, args) -> str:
             sel = [1000 * s for t, s in run["loads"] if t == tier]
             if sel:
                 firsts.append([pop, f"load {tier}", len(sel), bc.percentile(sel, 50), bc.percentile(sel, 99)])
-        quiet = [(1000 * s, b) for s, b, decode, loading in run["steps"] if decode and not loading]
-        busy = [(1000 * s, b) for s, b, decode, loading in run["steps"] if decode and loading]
+        quiet = [(1000 * s, b) for s, b, decode, loading, _ in run["steps"] if decode and not loading]
+        busy = [(1000 * s, b) for s, b, decode, loading, _ in run["steps"] if decode and loading]
         quiet_r, busy_r = matched_ratios(quiet, quiet), matched_ratios(quiet, busy)
         itl += [[pop, what, len(x), statistics.mean(b for _, b in x) if x else None,
                  bc.percentile([ms for ms, _ in x], 50), bc.percentile([ms for ms, _ in x], 99), len(r),
@@ -182,6 +182,7 @@ def traffic_report(results: dict, args) -> str:
                                f"{MATCH_MIN} steps of its batch without one"))
     lines.append(bc.table(["run", "tok/s", "ratio", "queue p50", "p99", "max", "max - bound", "queue p99 ms",
                            "evictions", "disk reads", "host->device"], rows, digits=2))
+    lines += cost_lines(results, runs)
     lines.append("queue time by popularity decile of the adapters (decile 1 = the most popular tenth):")
     lines.append(bc.table(["run", "decile", "requests", "queue p99 steps", "queue p99 ms"], deciles))
     lines.append("first use: time to first token by where the adapter was when its request arrived; load latencies:")
@@ -197,6 +198,25 @@ def traffic_report(results: dict, args) -> str:
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
+
+
+def cost_lines(results: dict, runs: dict) -> list[str]:
+    """Per run, two costs the one-adapter run does not pay in full, against its wall time: the rank rows its steps
+    read (each step its distinct adapters' rows once; at the streaming rate measured on the engine's threads, when it
+    was: the CPU device) and the loader process's CPU time (its boot outside the runs)."""
+    gbps, nbytes = results.get("stream_gb_s"), results.get("adapter_bytes")
+    out = []
+    for pop, run in runs.items():
+        rows_gb = sum(d for *_, d in run["steps"]) * nbytes / 1e9 if nbytes else None
+        what = [f"its steps read {rows_gb:.1f} GB of rank rows"] if rows_gb is not None else []
+        if rows_gb is not None and gbps:
+            what[-1] += (f" ({rows_gb / gbps:.2f} s at the {gbps:.1f} GB/s read here: "
+                         f"{rows_gb / gbps / run['wall_s']:.0%} of its {run['wall_s']:.1f} s)")
+        if run.get("loader_cpu_s") is not None:
+            what.append(f"the loader process {run['loader_cpu_s']:.2f} s of CPU")
+        if what:
+            out.append(f"{pop}: " + "; ".join(what))
+    return out
 
 
 MATCH_TOL, MATCH_MIN = 0.2, 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,9 +148,18 @@ def test_bench_lora_many_adapters_smoke(tmp_path):
         assert f"TARGET {pop}: tokens/s >= 0.80x one adapter" in p.stdout, p.stdout
         assert f"TARGET {pop}: every request's queue time within the stated bound: " in p.stdout
         assert [ln for ln in p.stdout.splitlines() if ln.startswith(f"TARGET {pop}: every request")][0].endswith(" met")
-    runs = json.loads(out.read_text())["runs"]
+    for pop in ("one adapter", "zipf:1.0", "uniform"):  # what each run's steps read and its loader's CPU
+        assert re.search(rf"^{pop}: its steps read [0-9.]+ GB of rank rows \([0-9.]+ s at the [0-9.]+ GB/s read "
+                         rf"here: [0-9]+% of its [0-9.]+ s\); the loader process [0-9.]+ s of CPU$", p.stdout, re.M), \
+            p.stdout
+    res = json.loads(out.read_text())
+    runs = res["runs"]
     assert set(runs) == {"one adapter", "zipf:1.0", "uniform"}
     assert all(r["tokens"] == 8 * 3 for r in runs.values())
+    # one adapter: every step that ran a request read that adapter's rows once; more adapters, more distinct rows
+    assert all(d == (b > 0) for _, b, _, _, d in runs["one adapter"]["steps"])
+    assert all(d <= b for _, b, _, _, d in runs["zipf:1.0"]["steps"])
+    assert res["adapter_bytes"] > 0 and res["stream_gb_s"] > 0
 
 
 def test_popularity_shift_and_recovery_time():
