@@ -267,9 +267,10 @@ class AdapterRegistry:
         """The tiers' sizes and counters, and the recent load latencies (loom.lora.lora_stats); one pass over the
         versions."""
         with self._lock:
-            device = host = host_bytes = device_bytes = 0
+            device = host = host_bytes = 0
+            # every taken row is a version's (rows are taken for a version and freed with it): from the allocators
+            device_bytes = sum((p.capacity - p.allocator.num_free) * p.row_bytes for p in self.pools)
             for v in self._versions:
-                device_bytes += sum(r * p.row_bytes for r, p, at in zip(v.ranks, self.pools, v.rows) if at >= 0)
                 if v.resident:
                     device += 1
                 elif v.host is not None:
