@@ -203,7 +203,7 @@ def traffic_report(results: dict, args) -> str:
 def cost_lines(results: dict, runs: dict) -> list[str]:
     """Per run, two costs the one-adapter run does not pay in full, against its wall time: the rank rows its steps
     read (each step its distinct adapters' rows once; at the streaming rate measured on the engine's threads, when it
-    was: the CPU device) and the loader process's CPU time (its boot outside the runs)."""
+    was: the CPU device) and the loader process's CPU time (its boot only where it started within the run)."""
     gbps, nbytes = results.get("stream_gb_s"), results.get("adapter_bytes")
     out = []
     for pop, run in runs.items():
