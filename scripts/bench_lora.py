@@ -88,15 +88,39 @@ def write_adapter(out_dir: str, hf_cfg, seed: int, r: int, targets=ALL, dtype: s
 
 
 def run_batch(llm, prompts, params, loras) -> dict:
-    with CpuMeter() as meter:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_names=loras)
-        dt = time.perf_counter() - t0
+    eng, steps, started = llm.engine, [], set()
+    step = eng.step
+
+    def timed_step():  # (seconds, whether a request had no token yet when the step began: a prefill step)
+        t = time.perf_counter()
+        outs = step()
+        steps.append((time.perf_counter() - t, len(started) < len(prompts)))
+        started.update(o.request_id for o in outs if o.new_token_ids)
+        return outs
+
+    eng.step = timed_step
+    try:
+        with CpuMeter() as meter:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, lora_names=loras)
+            dt = time.perf_counter() - t0
+    finally:
+        del eng.step
     errs = [o.error for o in outs if o.error]
     if errs:
         raise RuntimeError(f"requests failed: {errs[:3]}")
     tokens = [list(o.token_ids) for o in outs]
-    return {"tokens_per_s": sum(map(len, tokens)) / dt, "wall_s": dt, "tokens": tokens, "cpu": meter.result}
+    return {"tokens_per_s": sum(map(len, tokens)) / dt, "wall_s": dt, "tokens": tokens, "cpu": meter.result,
+            "steps": phase_times(steps)}
+
+
+def phase_times(steps: list[tuple[float, bool]]) -> dict:
+    """A batch's step times by phase: the prefill steps' total (steps that began with a request still without a
+    token) and the decode steps' median, in ms."""
+    pre = [s for s, p in steps if p]
+    dec = [s for s, p in steps if not p]
+    return {"prefill_ms": 1000 * sum(pre), "prefill_steps": len(pre),
+            "decode_ms": 1000 * statistics.median(dec) if dec else None, "decode_steps": len(dec)}
 
 
 def cpu_share(args) -> float:

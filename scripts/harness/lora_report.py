@@ -75,6 +75,9 @@ def report(results: dict, args) -> str:
                          f"step would cap the distinct ratio at {cap:.2f} (LoRA FLOPs not counted; loom reads them "
                          f"while its GEMMs compute)")
             ceiling = f" (bound if read after the GEMMs {cap:.2f})"
+        phases = phase_line(t, res, n, results.get("adapter_bytes"))
+        if phases:
+            lines.append(phases)
         rounds = res.get("rounds") or []
         if len(rounds) > 1:  # ratios within each round (its three scenarios ran back to back)
             per = [adapter_ratios({s: {"tokens_per_s": r[s]} for s in SCENARIOS}) for r in rounds]
@@ -115,6 +118,26 @@ def report(results: dict, args) -> str:
     for what, ok, detail in checks:
         lines.append(f"TARGET {what}: {detail} {'met' if ok else 'NOT met'}")
     return "\n".join(lines)
+
+
+def phase_line(t: str, res: dict, n: int, adapter_bytes: int | None) -> str | None:
+    """Where the adapters' time goes in one loom engine's batches (each scenario's best): the prefill steps' total
+    and the median decode step, none / one / distinct, the LoRA's additions to each, and the distinct decode step's
+    addition against reading its n adapters' rows at the streaming rate measured (res["stream_gb_s"])."""
+    st = [(res.get(sc) or {}).get("steps") for sc in SCENARIOS]
+    if not all(st) or any(x["decode_ms"] is None for x in st):
+        return None
+    pre, dec = [x["prefill_ms"] for x in st], [x["decode_ms"] for x in st]
+    text = (f"loom ({t}t), where the time goes (each scenario's best batch): prefill {pre[0]:.0f} / {pre[1]:.0f} / "
+            f"{pre[2]:.0f} ms ({st[0]['prefill_steps']} step(s)), decode step median {dec[0]:.1f} / {dec[1]:.1f} / "
+            f"{dec[2]:.1f} ms ({st[0]['decode_steps']} steps), none / one / distinct: the LoRA added "
+            f"{pre[1] - pre[0]:+.0f} / {pre[2] - pre[0]:+.0f} ms of prefill and {dec[1] - dec[0]:+.1f} / "
+            f"{dec[2] - dec[0]:+.1f} ms a decode step")
+    if adapter_bytes and res.get("stream_gb_s"):
+        read_ms = n * adapter_bytes / (res["stream_gb_s"] * 1e9) * 1000
+        text += (f"; the distinct decode step's rows ({n * adapter_bytes / 1e6:.0f} MB) take {read_ms:.1f} ms at "
+                 f"{res['stream_gb_s']:.1f} GB/s ({(dec[2] - dec[0]) / read_ms:.2f}x that added)")
+    return text
 
 
 # ---- bench_lora --adapters: many adapters under traffic ----------------------------------------------------------

@@ -129,10 +129,13 @@ def test_bench_lora_smoke_leaves_no_adapters_behind(tmp_path, monkeypatch):
     assert [looms[t]["torch_threads"] for t in ("1", "2")] == [1, min(2, available_cores())]
     assert all(loom["stream_gb_s"] > 0 for loom in looms.values())
     assert "would cap the distinct ratio at" in p.stdout, p.stdout
+    assert "where the time goes" in p.stdout, p.stdout
     for loom in looms.values():
         for name in ("no_lora", "one_adapter", "distinct_adapters"):
             assert loom[name]["tokens_per_s"] > 0, name
             assert all(len(tokens) == 2 for tokens in loom[name]["tokens"]), name
+            # 2 prompts x 2 tokens: the prompts' step(s), then one decode step
+            assert loom[name]["steps"]["prefill_steps"] >= 1 and loom[name]["steps"]["decode_steps"] == 1, name
     assert not list(tmp.glob("loom-bench-adapters-*"))
 
 
@@ -280,6 +283,26 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     near = bl.report({"loom": {"1": res(100.0, 94.99, 85.0) | {"rounds": []}}, "vllm": {}, "adapter_bytes": 0}, args)
     assert "TARGET loom (1t): one adapter >= 0.95x: 0.9499x NOT met" in near
     assert "TARGET loom (1t): 2 distinct >= 0.85x loom's no-LoRA: 0.8500x met" in near
+
+
+def test_phase_times_split_prefill_from_decode_steps_and_the_report_subtracts_them():
+    from bench_lora import phase_times
+    from harness.lora_report import phase_line
+
+    st = phase_times([(0.5, True), (0.1, True), (0.02, False), (0.04, False), (0.03, False)])
+    assert st == {"prefill_ms": pytest.approx(600), "prefill_steps": 2, "decode_ms": pytest.approx(30),
+                  "decode_steps": 3}
+    assert phase_times([(0.5, True)])["decode_ms"] is None
+    steps = {"no_lora": (600, 30), "one_adapter": (700, 32), "distinct_adapters": (750, 40)}
+    res = {sc: {"steps": {"prefill_ms": p, "prefill_steps": 1, "decode_ms": d, "decode_steps": 31}}
+           for sc, (p, d) in steps.items()} | {"stream_gb_s": 50.0}
+    # 32 adapters x 10 MB at 50 GB/s: 6.4 ms; the distinct decode step added 10 ms
+    line = phase_line("2", res, 32, 10_000_000)
+    for part in ("prefill 600 / 700 / 750 ms", "+100 / +150 ms of prefill", "+2.0 / +10.0 ms a decode step",
+                 "(320 MB) take 6.4 ms at 50.0 GB/s (1.56x that added)"):
+        assert part in line, line
+    del res["one_adapter"]["steps"]
+    assert phase_line("2", res, 32, 10_000_000) is None  # a scenario without step times (an older JSON)
 
 
 def test_distinct_ceiling_is_base_time_over_base_plus_reading_every_adapter_each_decode_step():
