@@ -287,6 +287,7 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
 
 def test_phase_times_split_prefill_from_decode_steps_and_the_report_subtracts_them():
     from bench_lora import phase_times
+
     from harness.lora_report import phase_line
 
     st = phase_times([(0.5, True), (0.1, True), (0.02, False), (0.04, False), (0.03, False)])
