@@ -37,9 +37,10 @@ hard-linked into the N folders (1000 distinct files of the default model would b
 as its own adapter, but a read from disk is then mostly a read from the page cache). The device pools hold
 --device-adapters of them (lora_memory_bytes set so), the host tier --host-adapters. One engine: a closed batch on
 one adapter measures its tokens/s; Poisson arrivals at --load times that rate then run once on one adapter and once
-per --popularity over the N (adapters unloaded between runs, so each starts cold), the same arrivals, prompts and
-tokens. Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest
-excess over the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
+per --popularity over the N (adapters unloaded between runs, so each starts cold; with --warm N, after N one-token
+requests from its popularity, as a server that has served that traffic), the same arrivals, prompts and tokens.
+Printed: tokens/s against the one-adapter run, queue time (steps, ms) by popularity decile, the largest excess over
+the scheduler's stated bound (harness.lora.admission_bound), time to first token by the tier the
 adapter was in when its request arrived, load latencies per tier, the rank rows each run's steps read (and the time
 reading them takes at the streaming rate measured here) and its loader process's CPU time, and step time (the running
 streams' inter-token latency) with and without a read from disk in flight, set against steps of about the same
@@ -161,6 +162,10 @@ def parse_args(argv=None):
                     help="--adapters: from request F x --arrivals on, the popularity moves to other adapters (a new "
                          "hot set; 0 = no shift); the report prints how long throughput takes to recover")
     ap.add_argument("--window-s", type=float, default=2.0, help="--shift-at: the throughput window, seconds")
+    ap.add_argument("--warm", type=int, default=0, metavar="N",
+                    help="--adapters: before each popularity run, N one-token requests drawn from its popularity (as "
+                         "before any shift; untimed): the run then starts with the host tier and device rows a "
+                         "server that has served that traffic holds, instead of cold (loom only)")
     ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
     ap.add_argument("--load-cpu-share", type=float, default=None,
                     help="--adapters / --load-during: EngineConfig.lora_load_cpu_share (default: its default)")
@@ -426,7 +431,7 @@ def traffic(args, root: str) -> None:
 
     from harness.adapter_cost import stream_gbps
     from harness.cpu_meter import tree_cpu_s
-    from harness.lora import popularity_weights, run_arrivals, shift_ranks
+    from harness.lora import last_load_seq, popularity_weights, run_arrivals, shift_ranks
     from harness.serving_load import arrival_times
     from loom.engine.config import EngineConfig
     from loom.engine.llm import LLM
@@ -469,14 +474,19 @@ def traffic(args, root: str) -> None:
         else:
             for d in reg.list():  # every popularity run starts cold
                 reg.unload(d["name"])
-            ranks = shift_ranks(random.Random(1).choices(range(args.adapters), popularity_weights(pop, args.adapters),
-                                                         k=args.arrivals), args.adapters, args.shift_at)
-        loads0, evictions0 = len(reg.stats().loads), reg.num_evictions
+            weights = popularity_weights(pop, args.adapters)
+            ranks = shift_ranks(random.Random(1).choices(range(args.adapters), weights, k=args.arrivals),
+                                args.adapters, args.shift_at)
+            if args.warm > 0:  # the traffic before the run (its own draws; the prompts' first tokens)
+                warm = random.Random(2).choices(range(args.adapters), weights, k=args.warm)
+                run_batch(llm, [prompts[i % len(prompts)][:8] for i in range(args.warm)],
+                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), [names[k] for k in warm])
+        seq0, evictions0 = last_load_seq(reg.stats().loads), reg.num_evictions
         pid = reg.loader_pid
         cpu0 = tree_cpu_s(pid) if pid else 0.0
         run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
         after = reg.loader_pid  # (started in the run: its boot counts)
-        run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads[loads0:]],
+        run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads if x.seq > seq0],
                    evictions=reg.num_evictions - evictions0,
                    loader_cpu_s=tree_cpu_s(after) - (cpu0 if after == pid else 0.0) if after else 0.0)
         results["runs"][pop] = run

@@ -300,6 +300,12 @@ def admission_bound(arrival: list[int], first: list[int], last: list[int], w: in
     return out
 
 
+def last_load_seq(loads) -> int:
+    """The number of the newest load in the registry's recent loads (LoraStats.loads), 0 if none: the loads after it
+    are a later run's. (Their count would not do: the registry keeps only the most recent RECENT_LOADS.)"""
+    return max((x.seq for x in loads), default=0)
+
+
 def run_arrivals(eng, prompts: list[list[int]], names: list[str | None], arrivals: list[float], params) -> dict:
     """Drive an engine in real time: request i (prompts[i], adapter names[i]) is added `arrivals[i]` s after the
     start. -> per request: steps and times of its arrival, first token and end, the tier its adapter was in when it

@@ -165,6 +165,39 @@ def test_bench_lora_many_adapters_smoke(tmp_path):
     assert res["adapter_bytes"] > 0 and res["stream_gb_s"] > 0
 
 
+def test_bench_lora_many_adapters_warm_start(tmp_path):
+    """--warm N: each popularity run starts after N one-token requests from its popularity, so its requests find
+    adapters in the host tier or device rows that a cold start reads from disk."""
+    out = tmp_path / "warm.json"
+    p = run_script("bench_lora.py", "--adapters", "12", "--popularity", "zipf:1.0", "--arrivals", "8",
+                   "--max-tokens", "2", "--prompt-len", "4", "--device-adapters", "2", "--host-adapters", "12",
+                   "--weight-files", "2", "--warm", "16", "--json", str(out))
+    assert "each popularity run after 16 one-token requests from its popularity" in p.stdout, p.stdout
+    run = json.loads(out.read_text())["runs"]["zipf:1.0"]
+    assert run["tokens"] == 8 * 2
+    tiers = run["requests"]["tier"]
+    assert any(t in ("host", "device") for t in tiers), tiers
+    # the warm-up's loads are not the run's: the run reads from disk only adapters its warm-up did not use
+    assert sum(t == "disk_to_host" for t, _ in run["loads"]) <= sum(t == "disk" for t in tiers)
+
+
+def test_a_runs_loads_are_those_numbered_after_the_last_one_before_it():
+    """The registry keeps its most recent loads only: once it holds RECENT_LOADS, a count taken before a run no longer
+    indexes the run's loads; their numbers do."""
+    from harness.lora import last_load_seq
+    from loom.lora.lora_stats import RECENT_LOADS, LoadLog
+
+    log = LoadLog()
+    for _ in range(RECENT_LOADS + 50):
+        log.record("disk_to_host", 0.01)
+    seq0 = last_load_seq(log.recent())
+    for _ in range(7):
+        log.record("host_to_device", 0.001)
+    assert len(log.recent()) == RECENT_LOADS  # the count did not move
+    assert [x.tier for x in log.recent() if x.seq > seq0] == ["host_to_device"] * 7
+    assert last_load_seq(()) == 0
+
+
 def test_popularity_shift_and_recovery_time():
     """--shift-at: the second part's hot set is adapters the first part did not favour; recovery = the seconds from
     the shift until every later whole window is back at >= 0.9x the median rate before it."""
