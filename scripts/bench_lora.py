@@ -165,7 +165,8 @@ def parse_args(argv=None):
     ap.add_argument("--warm", type=int, default=0, metavar="N",
                     help="--adapters: before each popularity run, N one-token requests drawn from its popularity (as "
                          "before any shift; untimed): the run then starts with the host tier and device rows a "
-                         "server that has served that traffic holds, instead of cold (loom only)")
+                         "server that has served that traffic holds, instead of cold (with --vllm-python, vLLM "
+                         "runs the same requests before its run)")
     ap.add_argument("--max-lora-wait-steps", type=int, default=None, help="EngineConfig's (default: its default)")
     ap.add_argument("--load-cpu-share", type=float, default=None,
                     help="--adapters / --load-during: EngineConfig.lora_load_cpu_share (default: its default)")
@@ -413,8 +414,10 @@ def run_vllm_traffic(args, model: str, root: str, dtype: str, names: list[str], 
     """vLLM's CPU build on loom's requests: the same prompts, adapters and arrival times run by run, its max_loras and
     max_cpu_loras at loom's device rows and host tier (vLLM has no cap by bytes). -> {setting: result or error}."""
     runs = [{"name": pop, "loras": [names[k] for k in run["ranks"]], "arrivals": arrivals}
+            | ({"warm": {"prompts": run["warm"]["prompts"], "loras": [names[k] for k in run["warm"]["ranks"]],
+                         "max_tokens": 1}} if run.get("warm") else {})
             for pop, run in loom_runs.items()]
-    used = sorted({name for run in runs for name in run["loras"]})
+    used = sorted({name for run in runs for name in run["loras"] + (run.get("warm") or {}).get("loras", [])})
     job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype, "kv_cache_gib": 1,
            "enable_lora": True, "adapters": {name: os.path.join(root, name) for name in used},
            "max_lora_rank": max(16, args.rank), "max_loras": args.device_adapters,
@@ -478,14 +481,17 @@ def traffic(args, root: str) -> None:
             ranks = shift_ranks(random.Random(1).choices(range(args.adapters), weights, k=args.arrivals),
                                 args.adapters, args.shift_at)
             if args.warm > 0:  # the traffic before the run (its own draws; the prompts' first tokens)
-                warm = random.Random(2).choices(range(args.adapters), weights, k=args.warm)
-                run_batch(llm, [prompts[i % len(prompts)][:8] for i in range(args.warm)],
-                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), [names[k] for k in warm])
+                warm = {"ranks": random.Random(2).choices(range(args.adapters), weights, k=args.warm),
+                        "prompts": [prompts[i % len(prompts)][:8] for i in range(args.warm)]}
+                run_batch(llm, warm["prompts"], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                          [names[k] for k in warm["ranks"]])
         seq0, evictions0 = last_load_seq(reg.stats().loads), reg.num_evictions
         pid = reg.loader_pid
         cpu0 = tree_cpu_s(pid) if pid else 0.0
         run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
         after = reg.loader_pid  # (started in the run: its boot counts)
+        if pop != "one adapter" and args.warm > 0:
+            run["warm"] = warm  # (vLLM runs the same before its run)
         run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads if x.seq > seq0],
                    evictions=reg.num_evictions - evictions0,
                    loader_cpu_s=tree_cpu_s(after) - (cpu0 if after == pid else 0.0) if after else 0.0)

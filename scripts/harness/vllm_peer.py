@@ -29,8 +29,10 @@ job.json keys (defaults in brackets):
   runs          [one run with `loras`] several timed batches in one engine: [{"name", "loras", "repeats" [1],
                 "prompts" [the job's], "max_tokens" [the job's], "sequential" [false: all at t0; true: one
                 request after another], "arrivals" [null, else seconds from t0 per request: Poisson traffic,
-                latencies from each arrival]}], the best of the repeats kept; warmup "all" first runs every run's
-                batch with 2 tokens (adapters loaded, shapes seen)
+                latencies from each arrival], "warm" [null, else {"prompts", "loras", "max_tokens" [1]}: a batch
+                run untimed before the run, its adapters loaded as the traffic before it would have]}], the best
+                of the repeats kept; warmup "all" first runs every run's batch with 2 tokens (adapters loaded,
+                shapes seen)
   max_cpu_loras [vLLM's default] adapters its CPU cache holds (with enable_lora)
   speculative_config [null] vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -155,6 +157,8 @@ async def main(job):
         run["lora_reqs"] = [_lora_request(name, ids, adapters) for name in (run.get("loras") or [None] * run_n)]
         rmt = run.get("max_tokens", mt)
         run["max_tokens_list"] = [int(rmt)] * run_n if isinstance(rmt, int) else [int(m) for m in rmt]
+        if run.get("warm"):
+            run["warm"]["lora_reqs"] = [_lora_request(name, ids, adapters) for name in run["warm"]["loras"]]
 
     kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), seed=job.get("seed", 0),
               disable_log_stats=True)
@@ -194,6 +198,10 @@ async def main(job):
             await asyncio.gather(*(run_one(engine, f"warmup-{i}", prompts[i], 4, lr[i] if wl else None,
                                            time.perf_counter()) for i in range(min(2, n))))
         for run in runs:  # the best of `repeats` timed batches
+            warm = run.get("warm")
+            if warm:  # untimed: the traffic a server served before the run
+                await timed_batch(engine, f"warm-{run['name']}", warm["prompts"],
+                                  [int(warm.get("max_tokens", 1))] * len(warm["prompts"]), warm["lora_reqs"])
             for rep in range(int(run.get("repeats", 1))):
                 r = await timed_batch(engine, f"{run['name']}-{rep}", run.get("prompts") or prompts,
                                       run["max_tokens_list"], run["lora_reqs"], bool(run.get("sequential")),

@@ -181,6 +181,28 @@ def test_bench_lora_many_adapters_warm_start(tmp_path):
     assert sum(t == "disk_to_host" for t, _ in run["loads"]) <= sum(t == "disk" for t in tiers)
 
 
+def test_vllm_traffic_runs_get_loom_s_warm_up(monkeypatch):
+    """--warm with --vllm-python: vLLM runs each popularity run's warm-up requests (untimed) before the run, its
+    adapters among those the job registers; a run without one (one adapter) gets none."""
+    import argparse
+
+    import bench_lora
+
+    jobs = []
+    monkeypatch.setattr(bench_lora, "run_vllm_settings", lambda args, job, progress, tag: jobs.append(job) or {})
+    args = argparse.Namespace(max_tokens=3, rank=16, device_adapters=2, host_adapters=4)
+    names = [f"ad{i}" for i in range(6)]
+    runs = {"one adapter": {"ranks": [0, 0]},
+            "zipf:1.0": {"ranks": [0, 1], "warm": {"ranks": [5, 4, 0], "prompts": [[1], [2], [3]]}}}
+    bench_lora.run_vllm_traffic(args, "m", "/root", "float32", names, [[7], [8]], [0.0, 0.1], runs)
+    (job,) = jobs
+    by_name = {r["name"]: r for r in job["runs"]}
+    assert "warm" not in by_name["one adapter"]
+    assert by_name["zipf:1.0"]["warm"] == {"prompts": [[1], [2], [3]], "loras": ["ad5", "ad4", "ad0"],
+                                          "max_tokens": 1}
+    assert set(job["adapters"]) == {"ad0", "ad1", "ad4", "ad5"}
+
+
 def test_a_runs_loads_are_those_numbered_after_the_last_one_before_it():
     """The registry keeps its most recent loads only: once it holds RECENT_LOADS, a count taken before a run no longer
     indexes the run's loads; their numbers do."""
