@@ -305,8 +305,10 @@ def vllm_traffic_lines(vllm: dict, runs: dict, n_adapters: int, checks: list) ->
                 deciles.append([setting, pop, d + 1, len(sel), bc.percentile(sel, 99)])
     ok = {k: v for k, v in vllm.items() if "error" not in v}
     if rows:
+        warm = any(r.get("warm") for r in runs.values())
         lines.append(f"vLLM {next(iter(ok.values())).get('vllm_version', '')} on the same requests and arrivals "
-                     f"(max_loras = device rows, max_cpu_loras = host tier):")
+                     f"(max_loras = device rows, max_cpu_loras = host tier"
+                     f"{'; each run after the same warm-up requests' if warm else ''}):")
         lines.append(bc.table(["vllm", "run", "tok/s", "ratio", "TTFT p50 ms", "TTFT p99 ms"], rows, digits=2))
         lines.append("vLLM time to first token by popularity decile:")
         lines.append(bc.table(["vllm", "run", "decile", "requests", "TTFT p99 ms"], deciles))

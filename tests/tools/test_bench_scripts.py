@@ -292,6 +292,9 @@ def test_traffic_report_sets_vllm_beside_loom_run_by_run():
     assert verdict == {"one adapter: loom tokens/s above vLLM's (vllm 0,1)": True,  # 40 > 25
                        "zipf:1.0: loom tokens/s above vLLM's (vllm 0,1)": False}  # 30 < 35
     assert vllm_traffic_lines({}, runs, 10, []) == []
+    assert "warm-up" not in text
+    runs["zipf:1.0"]["warm"] = {"ranks": [1], "prompts": [[1]]}  # --warm: the header says vLLM ran it too
+    assert "each run after the same warm-up requests" in "\n".join(vllm_traffic_lines(vllm, runs, 10, []))
 
 
 def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
