@@ -472,6 +472,7 @@ def traffic(args, root: str) -> None:
         cut = int(args.shift_at * args.arrivals)
         results["shift"] = {"request": cut, "t": arrivals[cut], "end_t": arrivals[-1], "window_s": args.window_s}
     for pop in ["one adapter"] + list(args.popularity):
+        warm = None  # --warm: the requests run before this run (vLLM runs them too)
         if pop == "one adapter":  # ad0, loaded by the closed batch
             ranks = [0] * args.arrivals
         else:
@@ -490,8 +491,8 @@ def traffic(args, root: str) -> None:
         cpu0 = tree_cpu_s(pid) if pid else 0.0
         run = run_arrivals(eng, prompts, [names[k] for k in ranks], arrivals, params)
         after = reg.loader_pid  # (started in the run: its boot counts)
-        if pop != "one adapter" and args.warm > 0:
-            run["warm"] = warm  # (vLLM runs the same before its run)
+        if warm:
+            run["warm"] = warm
         run.update(ranks=ranks, loads=[(x.tier, x.seconds) for x in reg.stats().loads if x.seq > seq0],
                    evictions=reg.num_evictions - evictions0,
                    loader_cpu_s=tree_cpu_s(after) - (cpu0 if after == pid else 0.0) if after else 0.0)

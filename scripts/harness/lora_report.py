@@ -157,7 +157,7 @@ def traffic_report(results: dict, args) -> str:
              f"one-adapter closed batch's {results['closed_tokens_per_s']:.1f} tok/s); max_lora_wait_steps {w}; "
              f"queue = steps (ms) from arrival to first token; "
              + (f"each popularity run after {args.warm} one-token requests from its popularity (the host tier and "
-                "device rows warm)" if getattr(args, "warm", 0) else "each popularity run starts cold")]
+                "device rows warm)" if args.warm else "each popularity run starts cold")]
     rows, deciles, firsts, itl, checks = [], [], [], [], []
     for pop, run in runs.items():
         rq = run["requests"]
