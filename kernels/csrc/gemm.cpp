@@ -127,18 +127,15 @@ inline void gemm_tile(const float* A, int64_t lda, const float* B, int64_t K, fl
 // The LoRA deltas a packed GEMM adds to its output tiles while they are in L1 (loom_gemm_lora): per token its group
 // (-1: none) and its shrink coefficients (shrink, each row block's before its panels).
 struct LoraEpilogue {
-  // a group: its B rows in b from b_row, rank and scaling; its A rows packed by pack_pair (its slices one after
-  // another), or (packed null) read in the pools from a_row
+  // a group: its rows in the pools from row (B read in place, widened as loaded: exact), rank and scaling; its A rows
+  // packed by pack_pair (its slices one after another), or (packed null) read in the pools
   struct Group {
-    int64_t b_row, rank;
+    int64_t row, rank;
     float scale;
     const float* packed;
-    int64_t a_row;
   };
   float* coef;
   int64_t coef_ld, rank_pad;
-  const float* b;  // B rows [., N], ldb apart: the pool's, or widened to float32
-  int64_t ldb;
   const int64_t* offs;  // slice column offsets [pools.S + 1]
   Pools pools;
   std::vector<Group> groups;
@@ -159,8 +156,9 @@ struct LoraEpilogue {
   // 1,536: 0.93 -> 1.26). The bench_lora setting, the same build with and without, rounds alternating in one process,
   // median adapter / no-LoRA ratio: one adapter, one thread 0.9461 -> 0.9507 (7 of 7 rounds), two 0.9487 -> 0.9494
   // (6 of 9); 32 distinct, two threads 0.8450 -> 0.8459; the same tokens.
-  void shrink(const float* A, int64_t lda, int64_t K, int64_t m0, int64_t m1, int64_t chunk) const {
-    const float* xr[LORA_MAX_TILE];
+  template <class X>
+  void shrink(const X* A, int64_t lda, int64_t K, int64_t m0, int64_t m1, int64_t chunk) const {
+    const X* xr[LORA_MAX_TILE];
     const int64_t n_chunks = (m1 - m0 + chunk - 1) / chunk, ahead = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < n_chunks; ++c) {
@@ -168,7 +166,7 @@ struct LoraEpilogue {
       // the first token block of the chunk this thread likely takes next
       const int64_t n0 = std::min(m1, m0 + (c + ahead) * chunk), n1 = std::min<int64_t>(m1, n0 + SHRINK_ROWS);
       const char* next = n1 > n0 ? reinterpret_cast<const char*>(A + n0 * lda) : nullptr;
-      const int64_t next_lines = n1 > n0 ? ((n1 - n0 - 1) * lda + K) * 4 / 64 + 1 : 0;
+      const int64_t next_lines = n1 > n0 ? ((n1 - n0 - 1) * lda + K) * int64_t(sizeof(X)) / 64 + 1 : 0;
       for (int64_t m = m0 + c * chunk, n; m < end; m += n) {
         for (n = 1; m + n < end && group[m + n] == group[m]; ++n) {
         }
@@ -179,7 +177,7 @@ struct LoraEpilogue {
         // after the run's last token block: the next run's first row, or for the chunk's last run the next chunk's
         const bool last = m + n >= end;
         const char* nx = last ? next : reinterpret_cast<const char*>(A + (m + n) * lda);
-        const int64_t nl = last ? next_lines : K * 4 / 64 + 1;
+        const int64_t nl = last ? next_lines : K * int64_t(sizeof(X)) / 64 + 1;
         for (int64_t s = 0; s < pools.S; ++s) {
           float* out = coef + m * coef_ld + s * rank_pad;
           const bool fx = s == 0;  // the first slice reads the run's x rows from memory; the others find them in L2
@@ -188,7 +186,7 @@ struct LoraEpilogue {
           else
             with_type(pools.dt, [&](auto tag) {
               using T = decltype(tag);
-              shrink_tile(xr, n, InPool<T>{pools.a_rows<T>(s, gr->a_row), pools.ak, rk}, K, rk, out, coef_ld, fx, nx,
+              shrink_tile(xr, n, InPool<T>{pools.a_rows<T>(s, gr->row), pools.ak, rk}, K, rk, out, coef_ld, fx, nx,
                           nl);
             });
         }
@@ -200,14 +198,23 @@ struct LoraEpilogue {
   // bfloat16 GEMM's epilogue: a tile's rows widened into scratch)
   void apply(float* C, int64_t ldc, int64_t N, int64_t m, int64_t mr, int64_t c0, int64_t c1,
              int64_t row0 = 0) const {
+    with_type(pools.dt, [&](auto tag) {
+      apply_rows(C, ldc, m, mr, c0, c1, row0, static_cast<const decltype(tag)*>(pools.b));
+    });
+  }
+
+  template <class T>
+  void apply_rows(float* C, int64_t ldc, int64_t m, int64_t mr, int64_t c0, int64_t c1, int64_t row0,
+                  const T* b) const {
     const Group* gm = of(m);
+    const int64_t ldb = pools.bn;
 #if defined(__AVX512F__)
     if (c1 - c0 == NR && gm && same_group(m, mr)) {  // a whole tile's width of one group: shared loads
       for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
           float* y = C + (m - row0) * ldc + c0;
           const float* cf = coef + m * coef_ld + s * rank_pad;
-          const float* bb = b + gm->b_row * ldb + c0;
+          const T* bb = b + gm->row * ldb + c0;
           with_rows<MR>(mr, [&](auto r) { tile<decltype(r)::value>(y, ldc, cf, bb, ldb, gm->rank, gm->scale); });
           return;
         }
@@ -216,7 +223,7 @@ struct LoraEpilogue {
     if (c1 - c0 == NR && mr == 4 && gm && same_group(m, 4)) {  // a whole tile of one group: shared loads
       for (int64_t s = 0; s < pools.S; ++s)
         if (offs[s] <= c0 && c1 <= offs[s] + (offs[s + 1] - offs[s]) / 16 * 16) {
-          tile4(C + (m - row0) * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->b_row * ldb + c0, ldb,
+          tile4(C + (m - row0) * ldc + c0, ldc, coef + m * coef_ld + s * rank_pad, b + gm->row * ldb + c0, ldb,
                 gm->rank, gm->scale);
           return;
         }
@@ -229,7 +236,7 @@ struct LoraEpilogue {
         const int64_t lo = std::max(c0, offs[s]), hi = std::min(c1, offs[s + 1]);
         if (lo >= hi) continue;
         const int64_t vec_end = offs[s] + (offs[s + 1] - offs[s]) / 16 * 16;  // as expand_tile: 16 at a time
-        expand_row(C + (t - row0) * ldc, coef + t * coef_ld + s * rank_pad, b + gt->b_row * ldb, ldb, gt->rank,
+        expand_row(C + (t - row0) * ldc, coef + t * coef_ld + s * rank_pad, b + gt->row * ldb, ldb, gt->rank,
                    gt->scale, lo, hi, vec_end);
       }
     }
@@ -242,9 +249,13 @@ struct LoraEpilogue {
   void prefetch(int64_t m, int64_t N, int64_t c0) const {
     const Group* gm = of(m);
     if (!gm) return;
-    const float* bb = b + gm->b_row * ldb + c0;
-    for (int64_t r = 0; r < gm->rank; ++r)
-      for (int64_t c = 0; c < NR; c += 16) __builtin_prefetch(bb + r * ldb + c, 0, 3);
+    const int64_t es = type_bytes(pools.dt), row = pools.bn * es;
+    const char* bb = static_cast<const char*>(pools.b) + (gm->row * pools.bn + c0) * es;
+    for (int64_t r = 0; r < gm->rank; ++r) {  // the lines of the row's NR elements
+      const char* p = bb + r * row;
+      for (int64_t c = 0; c < NR * es; c += 64) __builtin_prefetch(p + c, 0, 3);
+      __builtin_prefetch(p + NR * es - 1, 0, 3);  // (16-bit rows: a tile's columns need not start a line)
+    }
   }
 
   bool same_group(int64_t m, int64_t n) const {
@@ -256,13 +267,12 @@ struct LoraEpilogue {
 #if defined(__AVX512F__)
   // R rows x 48 columns of one group, in the 16-wide part of their slice: 3R independent fma chains over the rank
   // (each column's arithmetic as expand_block's), every B vector loaded once for the R rows
-  template <int R>
-  void tile(float* y, int64_t ldc, const float* cf, const float* bb, int64_t ldb, int64_t rk, float sc) const {
+  template <int R, class T>
+  void tile(float* y, int64_t ldc, const float* cf, const T* bb, int64_t ldb, int64_t rk, float sc) const {
     __m512 acc[R][3];
     _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
     for (int64_t r = 0; r < rk; ++r) {
-      const __m512 b0 = _mm512_loadu_ps(bb + r * ldb), b1 = _mm512_loadu_ps(bb + r * ldb + 16),
-                   b2 = _mm512_loadu_ps(bb + r * ldb + 32);
+      const __m512 b0 = load16(bb + r * ldb), b1 = load16(bb + r * ldb + 16), b2 = load16(bb + r * ldb + 32);
       _Pragma("GCC unroll 8") for (int i = 0; i < R; ++i) {
         const __m512 c = _mm512_set1_ps(cf[i * coef_ld + r]);
         acc[i][0] = _mm512_fmadd_ps(c, b0, acc[i][0]);
@@ -280,12 +290,12 @@ struct LoraEpilogue {
 #elif defined(__AVX2__)
   // 4 rows x 24 columns of one group, in the 16-wide part of their slice: 12 independent fma chains over the rank
   // (each column's arithmetic as expand_block's), every B vector loaded once for the 4 rows
-  void tile4(float* y, int64_t ldc, const float* cf, const float* bb, int64_t ldb, int64_t rk, float sc) const {
+  template <class T>
+  void tile4(float* y, int64_t ldc, const float* cf, const T* bb, int64_t ldb, int64_t rk, float sc) const {
     __m256 acc[4][3];
     for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = _mm256_setzero_ps();
     for (int64_t r = 0; r < rk; ++r) {
-      const __m256 b0 = _mm256_loadu_ps(bb + r * ldb), b1 = _mm256_loadu_ps(bb + r * ldb + 8),
-                   b2 = _mm256_loadu_ps(bb + r * ldb + 16);
+      const __m256 b0 = load8(bb + r * ldb), b1 = load8(bb + r * ldb + 8), b2 = load8(bb + r * ldb + 16);
       _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {
         const __m256 c = _mm256_broadcast_ss(cf + i * coef_ld + r);
         acc[i][0] = _mm256_fmadd_ps(c, b0, acc[i][0]);
@@ -521,56 +531,46 @@ struct GroupSplit {
 };
 
 // The fused groups' epilogue (LoraEpilogue) over a GEMM of M rows, with the scratch it reads: their A rows packed
-// for the shrink (pack_pair) where the group has tokens enough to pay for it, else read in the pool; their B rows:
-// the pool's, or widened to float32 (16-bit pools); the shrink coefficients. Empty (null `get`) without fused groups.
+// for the shrink (pack_pair) where the group has tokens enough to pay for it, else read in the pool; the shrink
+// coefficients. B is read in the pool (16-bit rows widened as loaded). Empty (null `get`) without fused groups.
 struct FusedLora {
-  std::unique_ptr<float[]> paired, wide_b, coef;
+  std::unique_ptr<float[]> paired, coef;
   LoraEpilogue ep{};
 
   FusedLora(const GroupSplit::Part& big, const Pools& pools, const int64_t* offs, int64_t M, int nthreads) {
     if (!big.groups()) return;
-    const int64_t K = pools.K, N = pools.N, S = pools.S, bn = pools.bn;
-    int64_t max_rank = 0, big_rows = 0;
-    for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r), big_rows += r;
+    const int64_t K = pools.K, S = pools.S;
+    int64_t max_rank = 0;
+    for (const int32_t r : big.ranks) max_rank = std::max<int64_t>(max_rank, r);
     std::vector<int64_t> a_at(big.groups() + 1, 0);  // group g's packed slices from a_at[g] (none: a_at[g + 1])
     for (int64_t g = 0; g < big.groups(); ++g) {
       const bool pack = big.seg[g + 1] - big.seg[g] >= PACK_MIN_TOKENS;
       a_at[g + 1] = a_at[g] + (pack ? S * paired_floats(big.ranks[g], K) : 0);
     }
     paired.reset(new float[a_at.back()]);  // written whole before it is read
-    if (pools.dt != 0 && big_rows) wide_b.reset(new float[big_rows * bn]);  // rows bn apart, as in the pool
-    const float* fb = wide_b ? wide_b.get() : static_cast<const float*>(pools.b);
-    std::vector<int32_t> b_at(big.groups() + 1, 0);  // group g's rows in wide_b: [b_at[g], b_at[g + 1])
-    for (int64_t g = 0; g < big.groups(); ++g) b_at[g + 1] = b_at[g] + big.ranks[g];
-    // items of that work, shared out over the threads (one adapter's prefill chunk is one group): group g's from
-    // item_at[g], a pair of A rows of a slice each (if packed), then a B row each (if widened)
-    const auto pairs_of = [&](int64_t g) -> int64_t {  // group g's items packing A (a pair of rows of a slice each)
-      return a_at[g + 1] > a_at[g] ? S * ((big.ranks[g] + 1) / 2) : 0;
-    };
+    // the packing shared out over the threads (one adapter's prefill chunk is one group): group g's items from
+    // item_at[g], a pair of A rows of a slice each
     std::vector<int64_t> item_at(big.groups() + 1, 0);
     for (int64_t g = 0; g < big.groups(); ++g)
-      item_at[g + 1] = item_at[g] + pairs_of(g) + (wide_b ? big.ranks[g] : 0);
+      item_at[g + 1] = item_at[g] + (a_at[g + 1] > a_at[g] ? S * ((big.ranks[g] + 1) / 2) : 0);
     if (item_at.back())
       with_type(pools.dt, [&](auto tag) {
         using T = decltype(tag);
 #pragma omp parallel for num_threads(std::min<int64_t>(nthreads, item_at.back())) schedule(dynamic, 1)
         for (int64_t w = 0; w < item_at.back(); ++w) {
           const int64_t g = std::upper_bound(item_at.begin(), item_at.end(), w) - item_at.begin() - 1;
-          const int64_t rk = big.ranks[g], half = (rk + 1) / 2, pairs = pairs_of(g), i = w - item_at[g];
-          if (i < pairs)
-            pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
-                      paired.get() + a_at[g] + i / half * paired_floats(rk, K));
-          else
-            widen(pools.b_rows<T>(big.rows[g] + i - pairs), wide_b.get() + (b_at[g] + i - pairs) * bn, N);
+          const int64_t rk = big.ranks[g], half = (rk + 1) / 2, i = w - item_at[g];
+          pack_pair(pools.a_rows<T>(i / half, big.rows[g]), pools.ak, rk, K, i % half,
+                    paired.get() + a_at[g] + i / half * paired_floats(rk, K));
         }
       });
     const int64_t rank_pad = (max_rank + 3) / 4 * 4, coef_ld = S * rank_pad;
     // written by the shrink wherever an epilogue reads it (a fused group's tokens, each slice, ranks below the group's)
     coef.reset(new float[M * coef_ld]);
-    ep = LoraEpilogue{coef.get(), coef_ld, rank_pad, fb, bn, offs, pools, {}, std::vector<int32_t>(M, -1)};
+    ep = LoraEpilogue{coef.get(), coef_ld, rank_pad, offs, pools, {}, std::vector<int32_t>(M, -1)};
     for (int64_t g = 0; g < big.groups(); ++g) {
-      ep.groups.push_back({wide_b ? b_at[g] : big.rows[g], big.ranks[g], big.scal[g],
-                           a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr, big.rows[g]});
+      ep.groups.push_back(
+          {big.rows[g], big.ranks[g], big.scal[g], a_at[g + 1] > a_at[g] ? paired.get() + a_at[g] : nullptr});
       for (int64_t i = big.seg[g]; i < big.seg[g + 1]; ++i) ep.group[big.tok[i]] = int32_t(g);
     }
   }
@@ -631,9 +631,11 @@ void loom_gemm(const float* A, int64_t lda, int64_t M, int64_t K, const float* B
 // adapter's rows) take loom_lora_apply's pass: interleaved with the GEMM's panels where x is one row block
 // (gemm_with_pass), else afterwards.
 //
-// Pools of 16-bit floats (dt, with_type's code): the fused groups' B rows are widened to float32 scratch first (a
-// prefill chunk's output tiles read each of them many times; widening is exact, so the bits are those of float32
-// pools), their A rows too where they are packed for the shrink (pack_pair); the rest is read as it is.
+// Pools of 16-bit floats (dt, with_type's code): rows are widened as they are loaded (exact, so the bits are those of
+// float32 pools), and a fused group's A rows packed to float32 for the shrink where it has tokens enough (pack_pair).
+// The fused groups' B rows were widened into float32 scratch first until the tiles read them in place: 32 adapters
+// of 64 tokens, bfloat16 layers, with x's rows shrunk in place (gemm_bf16.cpp), the prefill step 693 -> 671 ms (one
+// adapter 659 -> 645), medians of 14 rounds alternating the two builds in one process.
 void loom_gemm_lora(const float* A, int64_t lda, int64_t M, int64_t K, const float* Bp, int64_t N, const float* bias,
                     float* C, int64_t ldc, const void* a, int dt, int64_t R, int64_t ak, const void* b, int64_t bn,
                     const int64_t* offs, int64_t S, const int64_t* tok, const int32_t* seg, const int32_t* rows,

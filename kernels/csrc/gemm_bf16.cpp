@@ -202,16 +202,17 @@ LOOM_BF16_TARGET void bf_gemm_pass(const uint16_t* A, int64_t lda, int64_t M, in
   }
 }
 
-// gemm_bf16_fused's GEMM: the fused groups' shrink (over x's rows widened, xw) shared out first, then every thread's
-// panels with their deltas on each tile (BfLora)
+// gemm_bf16_fused's GEMM: the fused groups' shrink (over x's bfloat16 rows, widened as read) shared out first, then
+// every thread's panels with their deltas on each tile (BfLora)
 LOOM_BF16_TARGET void bf_gemm_fused(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const uint16_t* Bp,
                                     int64_t N, const float* bias, bf16_t* C, int64_t ldc, const LoraEpilogue& lora,
-                                    const float* xw, int nthreads) {
+                                    int nthreads) {
   const int64_t P = (N + BF_NR - 1) / BF_NR;
   const int nt = int(std::max<int64_t>(1, std::min<int64_t>(nthreads, P)));
 #pragma omp parallel num_threads(nt)
   {
-    lora.shrink(xw, K, K, 0, M, shrink_chunk(M, nt));  // its omp for ends in a barrier: every coefficient is there
+    // its omp for ends in a barrier: every coefficient is there
+    lora.shrink(reinterpret_cast<const bf16_t*>(A), lda, K, 0, M, shrink_chunk(M, nt));
     const std::unique_ptr<float[]> buf(new float[BF_MR * N]);
     const BfLora bl{lora, buf.get()};
     const int t = omp_get_thread_num(), T = omp_get_num_threads();
@@ -303,12 +304,7 @@ void gemm_bf16_fused(const uint16_t* A, int64_t lda, int64_t M, int64_t K, const
     const GroupSplit split(tok, seg, rows, ranks, scal, G, fuse_min);
     const FusedLora fused(split.big, pools, offs, M, nthreads);
     if (fused.get()) {
-      const std::vector<int64_t>& bt = split.big.tok;
-      const int64_t n = int64_t(bt.size());
-      const std::unique_ptr<float[]> xw(new float[M * K]);  // rows of the fused groups' tokens (the shrink's only)
-#pragma omp parallel for num_threads(nthreads) if (n * K >= (int64_t(1) << 18))
-      for (int64_t i = 0; i < n; ++i) widen(x + bt[i] * lda, xw.get() + bt[i] * K, K);
-      bf_gemm_fused(A, lda, M, K, Bp, N, bias, C, ldc, fused.ep, xw.get(), nthreads);
+      bf_gemm_fused(A, lda, M, K, Bp, N, bias, C, ldc, fused.ep, nthreads);
       const GroupSplit::Part& sm = split.small;
       if (sm.groups())
         run_pass_bf16(x, lda, pools, offs, C, ldc, sm.tok.data(), sm.seg.data(), sm.rows.data(), sm.ranks.data(),

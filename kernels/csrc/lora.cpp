@@ -119,6 +119,12 @@ __attribute__((always_inline)) inline void fetch_two_lines(const char* pf, int64
 inline __m512 twice8(const float* p) {
   return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(p))));
 }
+// x's 8 bfloat16 from p widened (exact), in both halves: a bfloat16 layer's prefill chunk is shrunk from its own
+// rows, not from a float32 copy of them
+inline __m512 twice8(const bf16_t* p) {
+  const __m512 v = _mm512_castps256_ps512(load8(p));
+  return _mm512_shuffle_f32x4(v, v, 0x44);
+}
 #endif
 
 // out[i * 4 + j] = x_i . a_j for TI token rows and 4 rank rows (A: RowPtrs or PairedRows) of K floats: per (i, j) 8
@@ -126,8 +132,8 @@ inline __m512 twice8(const float* p) {
 // side, so each lane's arithmetic, and the result, is the AVX2 loop's to the bit at twice the width (a prefill chunk
 // of 2,048 tokens on one adapter, every layer of the default model, Zen 5 core: 195-252 -> 103-145 ms added to the
 // GEMMs, of which about 95 are the LoRA's FLOPs at the GEMMs' rate).
-template <int TI, class A>
-inline void shrink_block(const float* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
+template <int TI, class A, class X>
+inline void shrink_block(const X* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
                          int64_t pf_lines = 0) {
   int64_t k = 0;
 #if defined(__AVX512F__)
@@ -155,7 +161,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
     fetch_two_lines(pf, pf_lines, k);
     const __m256 a0 = a.row8(0, k), a1 = a.row8(1, k), a2 = a.row8(2, k), a3 = a.row8(3, k);
     for (int i = 0; i < TI; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x[i] + k);
+      const __m256 xv = load8(x[i] + k);
       acc[i][0] = _mm256_fmadd_ps(xv, a0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(xv, a1, acc[i][1]);
       acc[i][2] = _mm256_fmadd_ps(xv, a2, acc[i][2]);
@@ -170,7 +176,7 @@ inline void shrink_block(const float* const* x, const A& a, int64_t K, float* ou
 #endif
   for (; k < K; ++k)
     for (int i = 0; i < TI; ++i)
-      for (int j = 0; j < 4; ++j) out[i * 4 + j] += x[i][k] * a.at(j, k);
+      for (int j = 0; j < 4; ++j) out[i * 4 + j] += to_f32(x[i][k]) * a.at(j, k);
 }
 
 // y_i[c] += sc * sum_r coef_i[r] * b_r[c] for columns [c0, c1) of nt token rows, one column at a time. STORE: y_i[c]
@@ -234,8 +240,8 @@ inline void expand_block(float* const* y, const float* const* coef, const T* b, 
 // the GEMM: no change); then the 8 rows for every tile: one adapter's decode step -0.3 / -0.6 ms (two / one thread,
 // 10 of 15), a 2,048-token prefill chunk +20 and -33 ms (one adapter, two runs), -66 ms (32 adapters, bfloat16, 7
 // of 7) of ~2.4 s.
-template <int TI, class A>
-inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
+template <int TI, class A, class X>
+inline void shrink_rows8(const X* const* x, const A& a, int64_t K, float* out, const char* pf = nullptr,
                          int64_t pf_lines = 0) {
   __m512 acc[TI][4];
   for (int i = 0; i < TI; ++i)
@@ -257,7 +263,7 @@ inline void shrink_rows8(const float* const* x, const A& a, int64_t K, float* ou
     }
   for (; k < K; ++k)
     for (int i = 0; i < TI; ++i)
-      for (int j = 0; j < 8; ++j) out[i * 8 + j] += x[i][k] * a.at(j, k);
+      for (int j = 0; j < 8; ++j) out[i * 8 + j] += to_f32(x[i][k]) * a.at(j, k);
 }
 
 template <bool STORE, class T>
@@ -278,8 +284,8 @@ inline void expand_row48(float* y, const float* coef, const T* b, int64_t ldb, i
 // fetch_x: the first block of rank rows, which reads x rows from memory, asks for the next token block's x rows into L2
 // while it computes one (up to two lines a kernel's 8 columns), and its last token block for [next, next + next_lines
 // lines) (nullable: the token block the caller runs next).
-template <class Rows>
-void shrink_tile(const float* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
+template <class Rows, class X>
+void shrink_tile(const X* const* x, int64_t nt, const Rows& a, int64_t K, int64_t rank, float* buf,
                  int64_t rank_pad, bool fetch_x = false, const char* next = nullptr, int64_t next_lines = 0) {
   float out[SHRINK_ROWS * 4];
   int64_t r0 = 0;
