@@ -83,8 +83,8 @@ class KernelPath:
                     "no 16-bit units: emulated"
                 experts = "loom's bfloat16 GEMM" if self.packed_experts else "PyTorch"
                 line += (f"; {name}: C++ norms, rotary, activations, KV store, paged attention (float32 math); "
-                         f"linear layers: {gemm} ({units}); LoRA: the C++ pass on widened rows; "
-                         f"MoE experts: {experts}")
+                         f"linear layers: {gemm} ({units}); "
+                         f"LoRA: the C++ pass (float32 math on 16-bit rows widened as read); MoE experts: {experts}")
             return line
         if not cpu_ext.enabled():
             return cpu_ext.describe()

@@ -143,10 +143,11 @@ def parse_args(argv=None):
                     help="loom's compute threads; several: one loom run per count")
     ap.add_argument("--compile", default="eager", choices=("eager", "compiled"), help="loom's CPU forward")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto",
+                    help="the model's dtype: loom's EngineConfig.dtype; vLLM computes in what loom resolved it to")
     ap.add_argument("--adapter-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                    help="the adapter files' dtype; loom keeps them in pools of that type (lora_dtype), vLLM widens "
-                         "them to the model's float32")
+                    help="the adapter files' dtype; loom keeps them in pools of that type (lora_dtype), vLLM converts "
+                         "them to the model's dtype")
     ap.add_argument("--lora-memory-mb", type=int, default=1024,
                     help="loom's adapter pool; must hold every adapter of the run at once, as vLLM's max_loras does")
     ap.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
@@ -182,9 +183,10 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def run_vllm(args, model: str, root: str, prompts, scenarios: dict) -> dict:
-    """{scenario: best result over the thread settings, with "setting"}, and every run under "_all"."""
-    base_job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": "float32",
+def run_vllm(args, model: str, root: str, dtype: str, prompts, scenarios: dict) -> dict:
+    """{scenario: best result over the thread settings, with "setting"}, and every run under "_all"; vLLM computes in
+    `dtype`, loom's."""
+    base_job = {"model": model, "prompts": prompts, "max_tokens": args.max_tokens, "dtype": dtype,
                 "kv_cache_gib": 1, "warmup": "all"}
     adapters = {f"ad{i}": os.path.join(root, f"ad{i}") for i in range(args.requests)}
     plain = run_vllm_settings(args, {**base_job, "runs": [{"name": "no_lora", "repeats": args.repeats}]},
@@ -321,7 +323,8 @@ def run_loom(args, model: str, root: str, hf_cfg, prompts, threads: int, hot: bo
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     for loras in scenarios.values():
         run_batch(llm, prompts, warm, loras)
-    loom: dict = {"startup_s": startup, "torch_threads": torch.get_num_threads(), "rounds": []}
+    loom: dict = {"startup_s": startup, "torch_threads": torch.get_num_threads(), "rounds": [],
+                  "dtype": str(eng.runner.dtype).removeprefix("torch.")}
     for k in range(args.repeats):  # the scenarios round by round: a slow minute of the machine hits all of a round
         tps = {}
         for name, loras in scenarios.items():
@@ -368,7 +371,8 @@ def bench(args, root: str) -> None:
         if load is not None:
             results["hot_load"] = load
     if args.vllm_python:
-        results["vllm"] = run_vllm(args, model, root, prompts, scenario_loras(n))
+        dtype = next(iter(results["loom"].values()))["dtype"]  # every loom engine resolves the same --dtype
+        results["vllm"] = run_vllm(args, model, root, dtype, prompts, scenario_loras(n))
     text = report(results, args)
     print(text, flush=True)
     if "hot_load" in results:

@@ -25,10 +25,11 @@ def adapter_ratios(res: dict) -> tuple[float, float]:
 def report(results: dict, args) -> str:
     looms, vl = results["loom"], results.get("vllm") or {}  # looms: {compute threads (str): its results}
     n = args.requests
-    lines = [f"{n} requests x {args.max_tokens} tokens, {args.prompt_len}-token random prompts, rank-{args.rank} "
-             f"{args.adapter_dtype} adapters on all 7 projections, greedy, all at t0; loom {args.compile} with "
-             f"{' and '.join(looms)} compute thread(s); best of {args.repeats}; other CPU s = other processes "
-             "during the timed batches"]
+    dtype = next(iter(looms.values())).get("dtype", "float32")  # the model's, for loom and vLLM alike
+    lines = [f"{n} requests x {args.max_tokens} tokens, {args.prompt_len}-token random prompts, {dtype} model, "
+             f"rank-{args.rank} {args.adapter_dtype} adapters on all 7 projections, greedy, all at t0; loom "
+             f"{args.compile} with {' and '.join(looms)} compute thread(s); best of {args.repeats}; other CPU s = "
+             "other processes during the timed batches"]
     rows = []
 
     def row(name, res, ref=None):
@@ -99,8 +100,13 @@ def report(results: dict, args) -> str:
             one, dis = adapter_ratios(res)
             checks.append((f"loom ({t}t): both adapter ratios above vLLM's", one > v_one and dis > v_dis,
                            f"one {one:.2f} vs {v_one:.2f}, distinct {dis:.2f} vs {v_dis:.2f}"))
-        ident = all(same(res[s]["tokens"], vl[s]["tokens"]) == f"{n}/{n}" for res in looms.values() for s in SCENARIOS)
-        checks.append((f"tokens identical {n}/{n} in every row", ident, ""))
+        if dtype == "float32" and args.adapter_dtype == "float32":
+            ident = all(same(res[s]["tokens"], vl[s]["tokens"]) == f"{n}/{n}"
+                        for res in looms.values() for s in SCENARIOS)
+            checks.append((f"tokens identical {n}/{n} in every row", ident, ""))
+        else:  # two 16-bit implementations round at different places: the table's column is information only
+            lines.append(f"tokens identical to vLLM's: not asked with a {dtype} model and {args.adapter_dtype} "
+                         "adapters (16-bit rounding differs between implementations)")
         for t, res in looms.items():  # against vLLM computing on as many threads as loom
             eq = next((s for s in vl.get("_per_setting", {}) if compute_threads(s) == int(t)), None)
             if eq is None:

@@ -341,6 +341,26 @@ def test_bench_lora_report_pairs_each_loom_with_vllm_at_equal_compute():
     near = bl.report({"loom": {"1": res(100.0, 94.99, 85.0) | {"rounds": []}}, "vllm": {}, "adapter_bytes": 0}, args)
     assert "TARGET loom (1t): one adapter >= 0.95x: 0.9499x NOT met" in near
     assert "TARGET loom (1t): 2 distinct >= 0.85x loom's no-LoRA: 0.8500x met" in near
+    # a 16-bit model or 16-bit adapters: token identity with vLLM is not a target (rounding differs by construction)
+    assert "float32 model, rank-16 float32 adapters" in text
+    for looms16, ad in (({t: r | {"dtype": "bfloat16"} for t, r in looms.items()}, "float32"), (looms, "bfloat16")):
+        text16 = bl.report({"loom": looms16, "vllm": vllm, "adapter_bytes": 0}, argparse.Namespace(**{
+            **vars(args), "adapter_dtype": ad}))
+        assert "TARGET tokens identical" not in text16
+        assert "tokens identical to vLLM's: not asked" in text16
+
+
+def test_bench_lora_vllm_computes_in_loom_dtype(monkeypatch):
+    """vLLM's jobs (plain and LoRA engines) take the dtype loom resolved, not a fixed float32."""
+    import argparse
+
+    import bench_lora
+
+    jobs = []
+    monkeypatch.setattr(bench_lora, "run_vllm_settings", lambda args, job, progress, tag: jobs.append(job) or {})
+    args = argparse.Namespace(max_tokens=3, rank=16, requests=2, repeats=1, vllm_threads=["0"])
+    bench_lora.run_vllm(args, "m", "/root", "bfloat16", [[7], [8]], bench_lora.scenario_loras(2))
+    assert len(jobs) == 2 and all(job["dtype"] == "bfloat16" for job in jobs)
 
 
 def test_phase_times_split_prefill_from_decode_steps_and_the_report_subtracts_them():
